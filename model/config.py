@@ -1,0 +1,54 @@
+"""Model configuration: a dataclass plus named size presets."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    d_ff: int = 3072
+    vocab_size: int = 10_000
+    context_length: int = 1024
+    rope_theta: float = 10_000.0
+    attn: str = "sdpa"  # attention backend name, looked up in the registry
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.d_head % 2:
+            raise ValueError(f"RoPE needs an even d_head, got d_model/n_heads = {self.d_head}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# name: (d_model, d_ff, n_layers, n_heads); small..2.7B as in the CS336 size table.
+PRESETS: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (256, 1024, 4, 4),  # not in the CS336 table: a quick CPU run
+    "small": (768, 3072, 12, 12),
+    "medium": (1024, 4096, 24, 16),
+    "large": (1280, 5120, 36, 20),
+    "xl": (1600, 6400, 48, 25),
+    "2.7B": (2560, 10240, 32, 32),
+    "10B": (4608, 12288, 50, 36),
+}
+
+
+def config_for(size: str, **overrides) -> ModelConfig:
+    """The preset `size` with any field overridden, e.g. config_for("small", attn="flash")."""
+    if size not in PRESETS:
+        raise ValueError(f"unknown size {size!r}; valid: {', '.join(PRESETS)}")
+    d_model, d_ff, n_layers, n_heads = PRESETS[size]
+    base = ModelConfig(d_model=d_model, d_ff=d_ff, n_layers=n_layers, n_heads=n_heads)
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,69 @@
+"""The language model: embedding -> pre-norm blocks -> RMSNorm -> LM head."""
+
+from __future__ import annotations
+
+import einx
+import torch
+from torch import nn
+
+from attention import get_attention
+from model.config import ModelConfig
+from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE on q and k; the kernel comes from the registry."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.out = Linear(cfg.d_model, cfg.d_model)
+        self.rope = rope
+        self.attend = get_attention(cfg.attn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (batch, seq, 3 * d_model) -> three of (batch, heads, seq, d_head)
+        q, k, v = einx.id("b s (three h d) -> three b h s d", self.qkv(x), three=3, h=self.n_heads)
+        o = self.attend(self.rope(q), self.rope(k), v, causal=True)
+        return self.out(einx.id("b h s d -> b s (h d)", o))
+
+
+class Block(nn.Module):
+    """x + attn(norm(x)), then x + swiglu(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg, rope)
+        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        rope = RotaryEmbedding(cfg.d_head, cfg.rope_theta)  # one table cache shared by all layers
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, rope) for _ in range(cfg.n_layers))
+        self.final_norm = RMSNorm(cfg.d_model)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: (batch, seq) int64 -> logits (batch, seq, vocab)."""
+        if ids.shape[-1] > self.cfg.context_length:
+            raise ValueError(f"sequence of {ids.shape[-1]} tokens exceeds context_length {self.cfg.context_length}")
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count; non_embedding drops the token embedding (the LM head stays: it is a matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n

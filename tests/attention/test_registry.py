@@ -1,0 +1,97 @@
+import pytest
+import torch
+
+from attention import UnknownBackendError, UnsupportedInputError, get_attention, list_attention, why_not
+
+CPU_BACKENDS = [row.name for row in list_attention() if row.available]
+
+
+def reference(q, k, v, causal, scale):
+    """softmax(q k^T * scale) v in float64."""
+    q, k, v = (t.double() for t in (q, k, v))
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 17, 16), (1, 33, 32), (4, 1, 64)])
+def test_backends_match_float64_reference(backend, causal, shape):
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    if why_not(backend, q, k, v, causal):
+        pytest.skip(why_not(backend, q, k, v, causal))
+    scale = shape[-1] ** -0.5
+    out = get_attention(backend)(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    grad = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(qr, kr, vr, causal, scale)
+    rq, rk, rv = torch.autograd.grad(ref, (qr, kr, vr), grad.double())
+    for got, want in ((out, ref), (dq, rq), (dk, rk), (dv, rv)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_reference_without_grad(backend, causal):
+    q, k, v = (torch.randn(2, 2, 31, 32) for _ in range(3))
+    with torch.no_grad():
+        if why_not(backend, q, k, v, causal):
+            pytest.skip(why_not(backend, q, k, v, causal))
+        out = get_attention(backend)(q, k, v, causal=causal)
+    torch.testing.assert_close(out.double(), reference(q, k, v, causal, 32**-0.5), atol=1e-4, rtol=1e-4)
+
+
+def test_custom_scale_is_used():
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    out = get_attention("sdpa")(q, k, v, causal=False, scale=0.3)
+    torch.testing.assert_close(out.double(), reference(q, k, v, False, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(UnknownBackendError, match=r"unknown attention backend 'nope'.*naive.*sdpa"):
+        get_attention("nope")
+
+
+def test_list_attention_says_why_a_backend_cannot_run():
+    rows = {r.name: r for r in list_attention()}
+    assert {"naive", "compiled", "sdpa", "flex"} <= set(rows)
+    assert rows["naive"].available and rows["naive"].reason is None
+    if not torch.cuda.is_available():
+        assert not rows["sdpa-cudnn"].available and "CUDA" in rows["sdpa-cudnn"].reason
+
+
+@pytest.mark.parametrize(
+    "shapes, dtypes, match",
+    [
+        (((2, 8, 16), (2, 8, 16), (2, 9, 16)), None, "k and v must have the same shape"),
+        (((2, 8, 16), (2, 8, 32), (2, 8, 32)), None, "share d_head"),
+        (((2, 8, 16), (3, 8, 16), (3, 8, 16)), None, "share leading dims"),
+        (((16,), (16,), (16,)), None, r"\(\.\.\., seq, d_head\)"),
+        (((2, 8, 16),) * 3, (torch.float32, torch.float64, torch.float32), "share a dtype"),
+    ],
+)
+def test_bad_inputs_name_the_problem(shapes, dtypes, match):
+    dtypes = dtypes or (torch.float32,) * 3
+    q, k, v = (torch.randn(s, dtype=d) for s, d in zip(shapes, dtypes))
+    with pytest.raises(UnsupportedInputError, match=match):
+        get_attention("naive")(q, k, v)
+
+
+def test_causal_needs_equal_lengths():
+    q, k, v = torch.randn(1, 4, 8), torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+    get_attention("naive")(q, k, v, causal=False)  # fine without the mask
+    with pytest.raises(UnsupportedInputError, match="equal query and key lengths"):
+        get_attention("naive")(q, k, v, causal=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+def test_gpu_only_backend_says_why():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(UnsupportedInputError, match="'sdpa-flash' cannot run this input: needs a CUDA GPU"):
+        get_attention("sdpa-flash")(q, q, q)

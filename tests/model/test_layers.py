@@ -1,0 +1,84 @@
+import math
+
+import pytest
+import torch
+
+from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rmsnorm_matches_formula_and_keeps_dtype(dtype):
+    norm = RMSNorm(48)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x = torch.randn(3, 5, 48).to(dtype)
+    xd = x.double()
+    want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    got = norm(x)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_swiglu_matches_formula():
+    ffn = SwiGLU(32, 80)
+    x = torch.randn(4, 7, 32)
+    w1, w2, w3 = (m.weight.double() for m in (ffn.w1, ffn.w2, ffn.w3))
+    h = x.double() @ w1.T
+    want = (h * torch.sigmoid(h) * (x.double() @ w3.T)) @ w2.T
+    torch.testing.assert_close(ffn(x).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_rotates_pairs_by_position_angle():
+    d, seq, theta = 16, 11, 10_000.0
+    rope = RotaryEmbedding(d, theta)
+    x = torch.randn(2, seq, d)
+    got = rope(x).double()
+    want = torch.empty_like(got)
+    for pos in range(seq):
+        for i in range(d // 2):
+            angle = pos * theta ** (-2 * i / d)
+            a, b = x[:, pos, 2 * i].double(), x[:, pos, 2 * i + 1].double()
+            want[:, pos, 2 * i] = a * math.cos(angle) - b * math.sin(angle)
+            want[:, pos, 2 * i + 1] = a * math.sin(angle) + b * math.cos(angle)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rope = RotaryEmbedding(32)
+    q, k = torch.randn(32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    seq = 40
+    qs = rope(q.float().expand(seq, 32).contiguous()).double()  # the same vector at every position
+    ks = rope(k.float().expand(seq, 32).contiguous()).double()
+    scores = qs @ ks.T  # (seq, seq)
+    for offset in (0, 3, 17):
+        diag = torch.diagonal(scores, offset=-offset)  # q position i, k position i - offset
+        torch.testing.assert_close(diag, diag[0].expand_as(diag), atol=1e-4, rtol=1e-4)
+
+
+def test_rope_tables_cached_per_device_and_length():
+    rope = RotaryEmbedding(8)
+    a = rope.tables(10, torch.device("cpu"))
+    assert rope.tables(10, torch.device("cpu"))[0] is a[0]
+    assert rope.tables(12, torch.device("cpu"))[0].shape == (12, 4)
+
+
+def test_rope_rejects_odd_head_dim():
+    with pytest.raises(ValueError, match="even d_head"):
+        RotaryEmbedding(7)
+
+
+def test_linear_init_is_truncated_normal_with_fan_std():
+    lin = Linear(512, 1536)
+    std = math.sqrt(2 / (512 + 1536))
+    w = lin.weight.detach()
+    assert abs(w.std().item() - std * 0.986) < 0.02 * std  # a normal cut at +-3 std keeps 0.986 of its std
+    assert w.abs().max().item() <= 3 * std + 1e-6
+
+
+def test_embedding_init_cut_at_three():
+    emb = Embedding(1000, 64)
+    w = emb.weight.detach()
+    assert w.abs().max().item() <= 3.0 and abs(w.std().item() - 0.986) < 0.02
+    ids = torch.randint(0, 1000, (2, 5))
+    torch.testing.assert_close(emb(ids), w[ids])

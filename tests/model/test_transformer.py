@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from model import PRESETS, ModelConfig, TransformerLM, config_for
+from training.metrics import flops_per_token, non_embedding_params
+
+TINY = dict(d_model=64, n_layers=2, n_heads=4, d_ff=96, vocab_size=97, context_length=24)
+
+
+def test_forward_shapes_and_no_biases():
+    model = TransformerLM(ModelConfig(**TINY))
+    ids = torch.randint(0, 97, (3, 24))
+    assert model(ids).shape == (3, 24, 97)
+    assert not [n for n, _ in model.named_parameters() if "bias" in n]
+
+
+def test_model_is_causal():
+    """Changing a later token never changes the logits of an earlier one."""
+    model = TransformerLM(ModelConfig(**TINY))
+    ids = torch.randint(0, 97, (1, 24))
+    changed = ids.clone()
+    changed[0, 15] = (ids[0, 15] + 1) % 97
+    a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :15], b[:, :15])
+    assert not torch.allclose(a[:, 15:], b[:, 15:])
+
+
+@pytest.mark.parametrize("attn", ["naive", "compiled", "flex"])
+def test_attention_backend_is_chosen_by_name(attn):
+    torch.manual_seed(0)
+    ref = TransformerLM(ModelConfig(**TINY, attn="sdpa"))
+    other = TransformerLM(ModelConfig(**TINY, attn=attn))
+    other.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(other(ids), ref(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_sequence_longer_than_context_is_rejected():
+    model = TransformerLM(ModelConfig(**TINY))
+    with pytest.raises(ValueError, match="exceeds context_length 24"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_small_preset_has_the_reference_parameter_count():
+    # Hugging Face's Llama with these dims, vocab 10000 and untied head has 128.6M (ANCHORS.md).
+    cfg = config_for("small")
+    with torch.device("meta"):
+        model = TransformerLM(cfg)
+    assert model.num_params() == 128_625_408
+    assert model.num_params(non_embedding=True) == non_embedding_params(cfg)
+
+
+def test_presets_and_overrides():
+    assert {"small", "medium", "large", "xl", "2.7B", "10B"} <= set(PRESETS)
+    cfg = config_for("large", attn="naive", vocab_size=256)
+    assert (cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.attn, cfg.vocab_size) == (1280, 5120, 36, 20,
+                                                                                             "naive", 256)
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        config_for("huge")
+
+
+def test_bad_dims_name_the_problem():
+    with pytest.raises(ValueError, match=r"d_model \(100\) must be divisible by n_heads \(3\)"):
+        ModelConfig(d_model=100, n_heads=3)
+
+
+def test_flops_per_token_formula():
+    cfg = config_for("small", context_length=1024)
+    assert flops_per_token(cfg) == 6 * non_embedding_params(cfg) + 12 * 12 * 768 * 1024

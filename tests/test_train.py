@@ -1,0 +1,138 @@
+"""End-to-end checks of train.py on the CPU with a tiny model."""
+
+import json
+import os
+import signal
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from tests.training.wandb_offline import history_and_summary
+from training import checkpoint
+
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "32",
+        "--batch-size", "4", "--device", "cpu", "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """About 200 KB of real Python source."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(b"\n".join((stdlib / name).read_bytes() for name in ("argparse.py", "textwrap.py")))
+    return path
+
+
+def run(tmp_path, text_file, *extra, name="run"):
+    out = tmp_path / name
+    code = train.main([*TINY, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", *extra])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (
+        out / "metrics.jsonl").exists() else []
+    return code, rows, out
+
+
+def test_loss_falls(tmp_path, text_file):
+    code, rows, out = run(tmp_path, text_file, "--steps", "80", "--log-every", "5", "--eval-every", "40")
+    assert code == 0
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.5, (rows[0]["loss"], rows[-1]["loss"])
+    assert rows[-1]["val_loss"] < 3.5
+    for key in ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu"):
+        assert key in rows[-1]
+    assert rows[-1]["mfu"] is None  # no made-up MFU on the CPU
+    assert checkpoint.load(out / "checkpoint.pt")["step"] == 80
+
+
+def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, monkeypatch):
+    args = ("--steps", "16", "--log-every", "1", "--eval-every", "0", "--ckpt-every", "100")
+    code, straight, _ = run(tmp_path, text_file, *args, name="straight")
+    assert code == 0 and [r["step"] for r in straight] == list(range(1, 17))
+
+    real_loss, calls = train.lm_loss, {"n": 0}
+
+    def loss_then_interrupt(*a):
+        calls["n"] += 1
+        if calls["n"] == 7:  # Ctrl-C during step 7: the run finishes that step, checkpoints, stops
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_loss(*a)
+
+    monkeypatch.setattr(train, "lm_loss", loss_then_interrupt)
+    code, _, out = run(tmp_path, text_file, *args, name="resumed")
+    assert code == 130
+    assert checkpoint.load(out / "checkpoint.pt")["step"] == 7
+    monkeypatch.setattr(train, "lm_loss", real_loss)
+
+    code, resumed, _ = run(tmp_path, text_file, *args, "--resume", name="resumed")
+    assert code == 0 and [r["step"] for r in resumed] == list(range(1, 17))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, text_file, monkeypatch, capsys):
+    real_loss, calls = train.lm_loss, {"n": 0}
+
+    def nan_at_step_7(*a):
+        calls["n"] += 1
+        loss = real_loss(*a)
+        return loss * float("nan") if calls["n"] >= 7 else loss
+
+    monkeypatch.setattr(train, "lm_loss", nan_at_step_7)
+    code, _, out = run(tmp_path, text_file, "--steps", "20", "--ckpt-every", "5", "--log-every", "4")
+    assert code == 1
+    assert "loss became nan at step 8" in capsys.readouterr().err
+    assert checkpoint.load(out / "checkpoint.pt")["step"] == 5
+
+
+def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
+    out = tmp_path / "wb"
+    code = train.main([*TINY, "--data", str(text_file), "--out", str(out), "--steps", "6", "--log-every", "3",
+                       "--wandb", "offline"])
+    assert code == 0
+    history, summary = history_and_summary(out / "wandb")
+    assert [h["_step"] for h in history] == [3, 6]
+    for key in ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s"):
+        assert key in history[-1]
+    assert "val_loss" in history[-1]
+    assert summary["final_loss"] == history[-1]["loss"] and summary["steps"] == 6
+
+
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["--data", "/no/such/file.txt"], 1, "--data path does not exist: /no/such/file.txt"),
+        (["--d-model", "30", "--n-heads", "4"], 1, r"d_model \(30\) must be divisible by n_heads \(4\)"),
+        (["--attn", "fast"], 2, "unknown --attn 'fast'; valid: naive"),
+        (["--size", "huge"], 2, "unknown --size 'huge'; valid: tiny, small"),
+        (["--steps", "0"], 2, "--steps must be >= 1"),
+        (["--dtype", "fp16"], 2, "fp16 needs a CUDA device"),
+    ],
+)
+def test_bad_input_stops_with_a_message(tmp_path, text_file, capsys, argv, code, message):
+    base = [*TINY, "--out", str(tmp_path / "bad"), "--wandb", "disabled", "--steps", "2"]
+    if "--data" not in argv:
+        base += ["--data", str(text_file)]
+    if code == 2:
+        with pytest.raises(SystemExit) as e:
+            train.main(base + argv)
+        assert e.value.code == 2
+    else:
+        assert train.main(base + argv) == code
+    import re
+
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_corpus_shorter_than_a_window(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 50)
+    assert train.main([*TINY, "--data", str(short), "--out", str(tmp_path / "o"), "--wandb", "disabled"]) == 1
+    assert "too short for a training and a validation window of context length 32" in capsys.readouterr().err
+
+
+def test_resume_with_another_model_is_refused(tmp_path, text_file, capsys):
+    code, _, out = run(tmp_path, text_file, "--steps", "2")
+    assert code == 0
+    argv = [*TINY, "--d-model", "64", "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume"]
+    assert train.main(argv) == 1
+    assert "was written for another model" in capsys.readouterr().err

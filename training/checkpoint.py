@@ -1,0 +1,50 @@
+"""Atomic checkpoints: written to a temporary file in the same directory, flushed, then renamed."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """torch.save to `path` so that a crash at any moment leaves either the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint to resume from at {path}")
+    # weights_only=False: the checkpoint holds RNG states and the config dict, which we wrote ourselves.
+    return torch.load(path, map_location=map_location, weights_only=False)

@@ -1,0 +1,58 @@
+"""Metrics sinks: one JSON object per log step in metrics.jsonl, and the same keys in Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf; keep them visible as strings
+    return v
+
+
+class MetricsLogger:
+    """Writes metrics to `<out>/metrics.jsonl` and, unless wandb_mode is 'disabled', to a W&B run.
+
+    W&B 'offline' (the default) writes the run under `<out>/wandb/`; upload later with `wandb sync <out>/wandb/offline-run-*`.
+    """
+
+    def __init__(self, out_dir: Path, wandb_mode: str, project: str, config: dict, run_name: Optional[str] = None,
+                 append: bool = False):
+        if wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"wandb mode must be offline, online or disabled, got {wandb_mode!r}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / METRICS_FILE
+        self._file = open(self.path, "a" if append else "w")
+        self.wandb_run = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb_run = wandb.init(project=project, dir=str(out_dir), mode=wandb_mode, config=config,
+                                        name=run_name, reinit="finish_previous")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **metrics}
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def summary(self, figures: dict[str, Any]) -> None:
+        if self.wandb_run is not None:
+            for k, v in figures.items():
+                if v is not None:
+                    self.wandb_run.summary[k] = v
+
+    def close(self, exit_code: int = 0) -> None:
+        self._file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=exit_code)
+            self.wandb_run = None
