@@ -1,0 +1,28 @@
+"""Attention backends by name. `get_attention("sdpa")(q, k, v, causal=True)`; `list_attention()`."""
+
+from attention.registry import (
+    AttentionFn,
+    BackendStatus,
+    UnknownBackendError,
+    UnsupportedInputError,
+    backend_names,
+    get_attention,
+    list_attention,
+    register,
+    why_not,
+)
+
+# Importing a backend module registers it; the order here is the order list_attention() shows.
+from attention import naive, sdpa, flex  # noqa: E402,F401  isort: skip
+
+__all__ = [
+    "AttentionFn",
+    "BackendStatus",
+    "UnknownBackendError",
+    "UnsupportedInputError",
+    "backend_names",
+    "get_attention",
+    "list_attention",
+    "register",
+    "why_not",
+]
