@@ -1,0 +1,116 @@
+"""A torch.profiler run over a few steps: a Chrome trace plus a table of the top kernels (or CPU ops)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, schedule
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One line of the kernel table: a GPU kernel (CUDA) or an operator's self CPU time (CPU)."""
+
+    name: str
+    calls: int
+    total_ms: float
+    percent: float  # of all GPU kernel time (CUDA) or of all self CPU time (CPU) in the active steps
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    trace_path: Path
+    table_path: Path
+    rows: list[KernelRow]  # every kernel / op, largest total first
+    on_gpu: bool
+    active_steps: int
+
+
+def kernel_table(events, on_gpu: bool) -> list[KernelRow]:
+    """Rows from `prof.key_averages()`: CUDA kernels by device time, or CPU ops by self CPU time."""
+    wanted = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    picked = []
+    for e in events:
+        # User ranges (ProfilerStep#, record_function) would double count the kernels inside them.
+        if getattr(e, "is_user_annotation", False) or e.key.startswith("ProfilerStep#"):
+            continue
+        if e.device_type != wanted:
+            continue
+        # torch < 2.4 spells it self_cuda_time_total; times are in microseconds.
+        us = getattr(e, "self_device_time_total", None) if on_gpu else e.self_cpu_time_total
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            picked.append((e.key, e.count, us))
+    total_us = sum(us for _, _, us in picked) or 1.0
+    picked.sort(key=lambda r: r[2], reverse=True)
+    return [KernelRow(name, calls, us / 1e3, 100.0 * us / total_us) for name, calls, us in picked]
+
+
+def _short(name: str, width: int = 90) -> str:
+    # Triton/CUTLASS kernel names run to hundreds of characters of template arguments.
+    name = name.replace("|", "\\|")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def kernel_markdown(rows: list[KernelRow], on_gpu: bool, active_steps: int, top: int = 30, title: str = "") -> str:
+    """The top `top` rows as a markdown table."""
+    what = "GPU kernels by total GPU time" if on_gpu else "CPU ops by self CPU time"
+    share = "% of GPU time" if on_gpu else "% of CPU time"
+    total_ms = sum(r.total_ms for r in rows)
+    lines = []
+    if title:
+        lines += [f"## {title}", ""]
+    lines += [
+        f"Top {min(top, len(rows))} of {len(rows)} {what}, over {active_steps} profiled steps "
+        f"({total_ms:.2f} ms in all, {total_ms / max(active_steps, 1):.2f} ms per step).",
+        "",
+        f"| name | calls | total ms | {share} |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows[:top]:
+        lines.append(f"| `{_short(r.name)}` | {r.calls} | {r.total_ms:.3f} | {r.percent:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def profile_steps(
+    step: Callable[[], object],
+    out_dir: str | Path,
+    device: torch.device | str,
+    wait: int = 1,
+    warmup: int = 2,
+    active: int = 3,
+    top: int = 30,
+    title: str = "",
+) -> ProfileResult:
+    """Run `step` wait + warmup + active times under torch.profiler; write trace.json and kernels.md in out_dir."""
+    if min(wait, warmup) < 0 or active < 1:
+        raise ValueError(f"need wait, warmup >= 0 and active >= 1, got {wait}, {warmup}, {active}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    on_gpu = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    trace_path, table_path = out_dir / "trace.json", out_dir / "kernels.md"
+    captured: dict[str, list[KernelRow]] = {}
+
+    def on_ready(prof) -> None:
+        prof.export_chrome_trace(str(trace_path))
+        captured["rows"] = kernel_table(prof.key_averages(), on_gpu)
+
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=on_ready,
+    ) as prof:
+        for _ in range(wait + warmup + active):
+            step()
+            if on_gpu:
+                torch.cuda.synchronize(device)  # the step's kernels land in its own profiler window
+            prof.step()
+    rows = captured["rows"]
+    table_path.write_text(kernel_markdown(rows, on_gpu, active, top, title))
+    return ProfileResult(trace_path, table_path, rows, on_gpu, active)
