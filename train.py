@@ -2,6 +2,7 @@
 
 Logs loss, learning rate, gradient norm, step time, tokens/s, MFU and memory to the console (a progress bar),
 to `<out>/metrics.jsonl` and to Weights & Biases; checkpoints atomically to `<out>/checkpoint.pt`.
+On several GPUs: `torchrun --nproc-per-node N train.py --parallel {ddp,fsdp} ...` (see training/distributed.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from tqdm import tqdm
 
 from attention import UnknownBackendError, backend_names
 from model import PRESETS, ModelConfig, TransformerLM, config_for
-from training import checkpoint
+from training import checkpoint, distributed, sharded_checkpoint
+from training.activation_checkpointing import checkpoint_blocks
 from training.data import batch_at, check_vocab, load_corpus, split_train_val
-from training.logger import METRICS_FILE, MetricsLogger
+from training.distributed import DistContext, DistributedError
+from training.logger import METRICS_FILE, MetricsLogger, NullLogger
 from training.metrics import cuda_memory_gib, flops_per_token, mfu
 from training.schedule import lr_at
 
@@ -57,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                    help="compute precision: bf16/fp16 autocast with fp32 master weights (fp16 adds a grad scaler)")
     o.add_argument("--compile", action="store_true", help="torch.compile the model")
+    o.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in backward instead of storing its activations (less memory, "
+                        "about one more forward of compute)")
+    d = p.add_argument_group("multi-GPU (launch with torchrun)")
+    d.add_argument("--parallel", choices=distributed.PARALLEL_MODES, default="none",
+                   help="none: one process; ddp: DistributedDataParallel; fsdp: FSDP2 fully_shard per block. "
+                        "--batch-size is the global batch, split evenly over the ranks")
+    d.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds a collective may wait for the other ranks before the run fails")
     r = p.add_argument_group("run")
     r.add_argument("--data", help="token file (.bin uint16 / .npy), text file, directory of text files, or "
                                   "'synthetic'; default: this Python's standard library sources as bytes")
@@ -64,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation")
     r.add_argument("--log-every", type=int, default=10, help="log metrics every N steps")
     r.add_argument("--ckpt-every", type=int, default=500, help="checkpoint every N steps (0: only at the end)")
+    r.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint at all (throughput runs)")
     r.add_argument("--out", default="runs/train", help="output directory (metrics, checkpoint, W&B run)")
-    r.add_argument("--resume", action="store_true", help=f"continue from <out>/{checkpoint.CHECKPOINT_NAME}")
+    r.add_argument("--resume", action="store_true",
+                   help=f"continue from <out>/{checkpoint.CHECKPOINT_NAME} (<out>/{sharded_checkpoint.DCP_DIR_NAME} "
+                        "with --parallel fsdp)")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     r.add_argument("--seed", type=int, default=0, help="seed for init and data order")
     r.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline",
@@ -85,10 +100,15 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.min_lr > args.lr:
         p.error(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.parallel == "fsdp" and args.dtype == "fp16":
+        p.error("--parallel fsdp supports --dtype bf16 or fp32 (fp16 would need a sharded gradient scaler)")
     if args.dtype == "fp16" and not args.device.startswith("cuda"):
         p.error("--dtype fp16 needs a CUDA device (the gradient scaler is CUDA-only); use bf16 or fp32 on the CPU")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device} asked for, but no CUDA GPU is visible; use --device cpu")
+        p.error(f"--device {args.device} asked for, but no CUDA GPU is visible; use --device cpu"
+                f"{' (the ranks then talk over gloo)' if args.parallel != 'none' else ''}")
+    if args.dist_timeout <= 0:
+        p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
@@ -114,42 +134,87 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: 
 
 
 @torch.no_grad()
-def evaluate(model, val_tokens, args, autocast, device) -> float:
+def evaluate(model, val_tokens, args, autocast, ctx: DistContext) -> float:
+    """Mean validation loss over --eval-batches global batches (each rank scores its slice)."""
     model.eval()
     # Fixed batches (seeded by index, not by training step) so every evaluation sees the same data.
     losses = [lm_loss(model, *batch_at(val_tokens, args.batch_size, args.context_length, args.seed, i,
-                                       device=device), autocast).item() for i in range(args.eval_batches)]
+                                       rank=ctx.rank, world_size=ctx.world_size, device=ctx.device), autocast)
+              for i in range(args.eval_batches)]
     model.train()
-    return sum(losses) / len(losses)
+    return distributed.mean_over_ranks(torch.stack(losses).mean(), ctx)
 
 
 class StopRequest:
-    """First Ctrl-C asks the loop to checkpoint and stop at the next step boundary; a second one aborts."""
+    """First Ctrl-C asks the loop to checkpoint and stop at the next step boundary; a second one aborts.
 
-    def __init__(self):
+    Under torchrun, Ctrl-C reaches torchrun, which forwards one SIGINT to every rank and kills them after a grace
+    period (30 s by default); the ranks agree on the stop step, so all checkpoint the same one.
+    """
+
+    def __init__(self, announce: bool = True):
         self.requested = False
+        self._announce = announce
         self._previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\nCtrl-C: saving a checkpoint at the end of this step (press again to abort)", file=sys.stderr)
+        if self._announce:
+            print("\nCtrl-C: saving a checkpoint at the end of this step (press again to abort)", file=sys.stderr)
 
     def restore(self):
         signal.signal(signal.SIGINT, self._previous)
 
 
-def save_checkpoint(path: Path, model, optimizer, scaler, step: int, cfg: ModelConfig, args) -> None:
-    checkpoint.save_atomic({
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+def checkpoint_path(out: Path, ctx: DistContext) -> Path:
+    """FSDP runs checkpoint to a sharded directory; one process and DDP to the single file."""
+    return out / (sharded_checkpoint.DCP_DIR_NAME if ctx.parallel == "fsdp" else checkpoint.CHECKPOINT_NAME)
+
+
+def save_checkpoint(path: Path, model, optimizer, scaler, step: int, cfg: ModelConfig, args,
+                    ctx: DistContext = DistContext()) -> None:
+    """Called on every rank. DDP's ranks hold identical weights, so rank 0 writes the one-process file."""
+    extras = {
         "scaler": scaler.state_dict(),
         "step": step,  # also the data position: batches are drawn by (seed, step)
         "rng": checkpoint.rng_state(),
         "model_config": cfg.to_dict(),
         "args": vars(args),
-    }, path)
+    }
+    if ctx.parallel == "fsdp":
+        sharded_checkpoint.save(path, model, optimizer, extras, ctx)
+        return
+    if ctx.is_main:
+        checkpoint.save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extras}, path)
+    distributed.barrier(ctx)
+
+
+def load_checkpoint(path: Path, model, optimizer, scaler, cfg: ModelConfig, ctx: DistContext) -> int:
+    """Restore model, optimizer, scaler and RNG from the checkpoint at `path`; returns the step to continue from."""
+    sharded = ctx.parallel == "fsdp"
+    if not (sharded_checkpoint.exists(path) if sharded else path.exists()):
+        other = path.with_name(checkpoint.CHECKPOINT_NAME if sharded else sharded_checkpoint.DCP_DIR_NAME)
+        if sharded and other.exists():
+            raise TrainingError(f"no sharded checkpoint at {path}, but {other} exists: a single-file checkpoint "
+                                "resumes with --parallel ddp or none, not fsdp")
+        if other.exists():
+            raise TrainingError(f"no {path.name} at {path.parent}, but the sharded FSDP checkpoint {other} exists: "
+                                f"resume with --parallel fsdp, or consolidate it first with "
+                                f"`python -m training.consolidate {other} {path}`")
+    state = sharded_checkpoint.load_extras(path) if sharded else checkpoint.load(path)
+    if state["model_config"] != cfg.to_dict():
+        diff = {k: (v, cfg.to_dict()[k]) for k, v in state["model_config"].items() if cfg.to_dict()[k] != v}
+        raise TrainingError(f"checkpoint {path} was written for another model: (saved, asked) {diff}")
+    if sharded:
+        sharded_checkpoint.load(path, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    checkpoint.set_rng_state(state["rng"])
+    return state["step"]
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -160,58 +225,67 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
-def train(args: argparse.Namespace) -> dict:
-    device = torch.device(args.device)
+def _quiet(*args, **kwargs) -> None:
+    """print() of ranks other than 0."""
+
+
+def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
+    ctx = ctx or DistContext(device=torch.device(args.device))
+    device = ctx.device
+    say = print if ctx.is_main else _quiet
     out = Path(args.out)
     torch.manual_seed(args.seed)
 
-    corpus = load_corpus(args.data, cache_dir=out.parent / ".token_cache", seed=args.seed,
-                         synthetic_vocab=args.vocab_size or 10_000)
+    with distributed.main_first(ctx):  # rank 0 builds the token cache, the other ranks then read it
+        corpus = load_corpus(args.data, cache_dir=out.parent / ".token_cache", seed=args.seed,
+                             synthetic_vocab=args.vocab_size or 10_000)
     vocab_size = args.vocab_size or corpus.vocab_size or 10_000
     check_vocab(corpus.tokens, vocab_size)
     train_tokens, val_tokens = split_train_val(corpus.tokens, args.context_length)
     cfg = model_config(args, vocab_size)
 
-    model = TransformerLM(cfg).to(device)
-    optimizer = make_optimizer(model, args, device)
+    with device:  # initialised on the device itself: quick for large models, and the same on every rank
+        model = TransformerLM(cfg)
+    if args.activation_checkpointing:
+        checkpoint_blocks(model)
+    step_model = distributed.wrap_model(model, ctx, DTYPES[args.dtype])  # `model` keeps the plain names
+    optimizer = make_optimizer(model, args, device)  # after wrapping: FSDP replaces the parameters by shards
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")
-    ckpt_path = out / checkpoint.CHECKPOINT_NAME
+    ckpt_path = checkpoint_path(out, ctx)
     start_step = 0
     if args.resume:
-        state = checkpoint.load(ckpt_path)
-        if state["model_config"] != cfg.to_dict():
-            diff = {k: (v, cfg.to_dict()[k]) for k, v in state["model_config"].items() if cfg.to_dict()[k] != v}
-            raise TrainingError(f"checkpoint {ckpt_path} was written for another model: (saved, asked) {diff}")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        start_step = state["step"]
-        checkpoint.set_rng_state(state["rng"])
-        truncate_metrics(out / METRICS_FILE, start_step)
-    step_model = torch.compile(model) if args.compile else model
+        start_step = load_checkpoint(ckpt_path, model, optimizer, scaler, cfg, ctx)
+        if ctx.is_main:
+            truncate_metrics(out / METRICS_FILE, start_step)
+    if args.compile:
+        step_model = torch.compile(step_model)
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "fp32")
 
     n_params, n_non_embed = model.num_params(), model.num_params(non_embedding=True)
-    tokens_per_step = args.batch_size * args.context_length
-    print(f"model: {n_params / 1e6:.1f}M parameters ({n_non_embed / 1e6:.1f}M non-embedding), "
-          f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, attention {cfg.attn!r}, "
-          f"{args.dtype} on {device}")
-    print(f"data: {corpus.description}: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, "
-          f"vocab {vocab_size}; {flops_per_token(cfg) / 1e9:.2f} GFLOP per token")
+    tokens_per_step = args.batch_size * args.context_length  # global: all ranks together
+    ranks = f", {args.parallel} over {ctx.world_size} rank{'s' * (ctx.world_size > 1)}" if ctx.is_distributed else ""
+    say(f"model: {n_params / 1e6:.1f}M parameters ({n_non_embed / 1e6:.1f}M non-embedding), "
+        f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, attention {cfg.attn!r}, "
+        f"{args.dtype} on {device}{ranks}")
+    say(f"data: {corpus.description}: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, "
+        f"vocab {vocab_size}; {flops_per_token(cfg) / 1e9:.2f} GFLOP per token")
 
     logger = MetricsLogger(out, args.wandb, args.wandb_project, {**vars(args), "model": cfg.to_dict(),
-                           "params": n_params, "params_non_embedding": n_non_embed}, append=args.resume)
-    stop = StopRequest()
+                           "params": n_params, "params_non_embedding": n_non_embed, "world_size": ctx.world_size},
+                           append=args.resume) if ctx.is_main else NullLogger()
+    stop = StopRequest(announce=ctx.is_main)
     step, summary, exit_code = start_step, {}, 1
     window_start, window_steps = time.perf_counter(), 0
     last_good_ckpt: Optional[int] = start_step if args.resume else None
-    bar = tqdm(total=args.steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None)
+    bar = tqdm(total=args.steps, initial=start_step, desc="train", dynamic_ncols=True,
+               disable=None if ctx.is_main else True)
     try:
         while step < args.steps:
             lr = lr_at(step, args.lr, args.min_lr, args.warmup_steps, args.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = batch_at(train_tokens, args.batch_size, args.context_length, args.seed, step, device=device)
+            x, y = batch_at(train_tokens, args.batch_size, args.context_length, args.seed, step,
+                            rank=ctx.rank, world_size=ctx.world_size, device=device)
             loss = lm_loss(step_model, x, y, autocast)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
@@ -224,36 +298,39 @@ def train(args: argparse.Namespace) -> dict:
             window_steps += 1
             bar.update(1)
 
+            stop_now = distributed.any_rank(stop.requested, ctx)  # every rank stops (and saves) at the same step
             is_last = step == args.steps
             eval_now = is_last or (args.eval_every > 0 and step % args.eval_every == 0)
-            log_now = step % args.log_every == 0 or eval_now or stop.requested
-            ckpt_now = is_last or stop.requested or (args.ckpt_every > 0 and step % args.ckpt_every == 0)
+            log_now = step % args.log_every == 0 or eval_now or stop_now
+            ckpt_now = not args.no_checkpoint and (
+                is_last or stop_now or (args.ckpt_every > 0 and step % args.ckpt_every == 0))
             if not (log_now or ckpt_now):
                 continue
-            loss_value = loss.item()  # synchronises; only on log/checkpoint steps
-            if not math.isfinite(loss_value):
+            loss_value = distributed.mean_over_ranks(loss, ctx)  # synchronises; only on log/checkpoint steps
+            if not math.isfinite(loss_value):  # the global mean: NaN on any rank stops them all
                 where = f"{ckpt_path} (step {last_good_ckpt})" if last_good_ckpt is not None else "none was written"
                 raise TrainingError(f"loss became {loss_value} at step {step}; stopping. Last good checkpoint: {where}")
-            metrics = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm.item()}
+            metrics = {"loss": loss_value, "lr": lr, "grad_norm": distributed.full_value(grad_norm).item()}
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - window_start
             metrics["step_ms"] = 1000 * elapsed / window_steps
             metrics["tokens_per_s"] = tokens_per_step * window_steps / elapsed
-            metrics["mfu"] = mfu(cfg, metrics["tokens_per_s"], device)
-            metrics.update(cuda_memory_gib(device))
+            metrics["mfu"] = mfu(cfg, metrics["tokens_per_s"], device, n_devices=ctx.world_size)
+            metrics.update(distributed.max_over_ranks(cuda_memory_gib(device), ctx))  # the fullest rank
             if eval_now:
-                metrics["val_loss"] = evaluate(step_model, val_tokens, args, autocast, device)
+                metrics["val_loss"] = evaluate(step_model, val_tokens, args, autocast, ctx)
             logger.log(step, metrics)
             bar.set_postfix_str(format_postfix(metrics))
             if bar.disable:  # not a terminal (a pipe, a log file): one plain line per log step instead
-                print(f"step {step}/{args.steps}: {format_postfix(metrics)}", flush=True)
+                say(f"step {step}/{args.steps}: {format_postfix(metrics)}", flush=True)
             summary = metrics
             if ckpt_now:
-                save_checkpoint(ckpt_path, model, optimizer, scaler, step, cfg, args)
+                save_checkpoint(ckpt_path, model, optimizer, scaler, step, cfg, args, ctx)
                 last_good_ckpt = step
-            if stop.requested:
-                print(f"stopped at step {step}; resume with --resume --out {out}", file=sys.stderr)
+            if stop_now:
+                say(f"stopped at step {step}; " + ("--no-checkpoint: nothing saved" if args.no_checkpoint else
+                                                   f"resume with --resume --out {out}"), file=sys.stderr)
                 exit_code = 130
                 break
             window_start, window_steps = time.perf_counter(), 0
@@ -282,19 +359,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    who = distributed.error_prefix(args.parallel)  # '[rank r] ' when several processes print
     try:
-        result = train(args)
-    except (TrainingError, FileNotFoundError, ValueError, UnknownBackendError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        with distributed.session(args.parallel, args.device, args.batch_size, args.dist_timeout) as ctx:
+            result = train(args, ctx)
+    except (TrainingError, DistributedError, FileNotFoundError, ValueError, UnknownBackendError) as e:
+        print(f"{who}error: {e}", file=sys.stderr)
+        return 1
+    except torch.distributed.DistError as e:
+        print(f"{who}error: a collective failed; another rank probably died, or stalled longer than --dist-timeout "
+              f"({args.dist_timeout:g} s). Its own error is in its output (torchrun names the failed rank).\n"
+              f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except torch.OutOfMemoryError:
-        device = torch.device(args.device)
+        device = distributed.local_device(args.device, args.parallel)
         total = torch.cuda.get_device_properties(device).total_memory / 1024**3
         figures = ", ".join(f"{k} {v:.2f}" for k, v in cuda_memory_gib(device).items())
-        print(f"error: CUDA out of memory on {torch.cuda.get_device_name(device)} ({total:.1f} GiB): {figures}\n"
+        print(f"{who}error: CUDA out of memory on {torch.cuda.get_device_name(device)} ({total:.1f} GiB): {figures}\n"
               f"config: --size {args.size} --batch-size {args.batch_size} --context-length {args.context_length} "
-              f"--dtype {args.dtype} --attn {args.attn}{' --compile' if args.compile else ''}\n"
-              "try a smaller --batch-size or --context-length, --dtype bf16, or --attn flash", file=sys.stderr)
+              f"--dtype {args.dtype} --attn {args.attn}{' --compile' if args.compile else ''}"
+              f"{' --parallel ' + args.parallel if args.parallel != 'none' else ''}\n"
+              "try a smaller --batch-size or --context-length, --dtype bf16, --attn flash, "
+              "--activation-checkpointing, or --parallel fsdp over more GPUs", file=sys.stderr)
         return 1
     return result["exit_code"]
 

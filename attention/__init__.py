@@ -14,6 +14,7 @@ from attention.registry import (
 
 # Importing a backend module registers it; the order here is the order list_attention() shows.
 from attention import naive, sdpa, flex  # noqa: E402,F401  isort: skip
+from attention import flash_triton, flash_torch  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "AttentionFn",

@@ -56,3 +56,16 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None
+
+
+class NullLogger:
+    """The logger of ranks other than 0 in a multi-process run: rank 0 alone writes metrics.jsonl and W&B."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def summary(self, figures: dict[str, Any]) -> None:
+        pass
+
+    def close(self, exit_code: int = 0) -> None:
+        pass

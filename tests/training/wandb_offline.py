@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
@@ -39,8 +40,21 @@ def records(path: Path):
             yield record
 
 
-def history_and_summary(run_dir: Path) -> tuple[list[dict], dict]:
-    """(history rows as dicts, final summary) of the single offline run under `run_dir`."""
+def history_and_summary(run_dir: Path, min_rows: int = 1, wait_s: float = 15.0) -> tuple[list[dict], dict]:
+    """(history rows as dicts, final summary) of the single offline run under `run_dir`.
+
+    W&B's service process may still be writing the file when `finish()` returns, so wait up to `wait_s`
+    for at least `min_rows` history rows and a summary.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        history, summary = _read(run_dir)
+        if (len(history) >= min_rows and summary) or time.monotonic() > deadline:
+            return history, summary
+        time.sleep(0.5)
+
+
+def _read(run_dir: Path) -> tuple[list[dict], dict]:
     (path,) = Path(run_dir).glob("offline-run-*/run-*.wandb")
     history, summary = [], {}
     for r in records(path):

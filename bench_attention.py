@@ -1,0 +1,494 @@
+"""How fast, and how much memory, is each attention backend at each size?
+
+    python bench_attention.py --preset seed                  # batch 8, 1 head, fp32, seq 256..16384, d 16..128
+    python bench_attention.py --preset flash                 # batch 1, 16 heads, causal, seq 128..65536, bf16+fp32
+    python bench_attention.py --preset leaderboard           # flash vs SDPA kernels vs flex at seq 16384, d 64
+    python bench_attention.py --backends naive,flash --seq-lens 1024,4096 --d-heads 64 --dtype bf16 --causal both
+    python bench_attention.py --seq-lens 16384 --d-heads 64 --explain-memory
+
+For each point (batch, heads, seq, d_head, dtype, causal) and backend: forward, backward and forward+backward
+times, TFLOP/s, memory kept for backward, forward/backward peak memory, the time ratio to a baseline backend,
+and the error of the output and gradients against a float64 reference. Out of memory is a row, not a crash.
+Writes results.md, results.csv, results.json and PNG plots to --out (default runs/bench_attention/<time>).
+How each figure is measured: benchmarking/attention_measure.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from attention import backend_names, list_attention
+from benchmarking import report
+from benchmarking.attention_measure import BWD_DIFFERENCE, measure_backend
+from benchmarking.attention_memory import explain_backend, explain_header
+from benchmarking.attention_point import DTYPES, AttentionInputs, AttentionPoint, make_inputs
+from benchmarking.attention_reference import RELATIVE_TOLERANCE, Reference, reference
+from benchmarking.environment import describe, environment_info
+from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_message
+from benchmarking.timing import to_mib
+
+SEED_SEQ_LENS = [256, 1024, 4096, 8192, 16384]
+FLASH_SEQ_LENS = [128 * 2**i for i in range(10)]  # 128 .. 65536
+
+# Fields a preset sets; explicit command-line flags override each one.
+PRESETS: dict[str, dict[str, Any]] = {
+    # The seed study: batch 8, one head, fp32, no mask, 100 forward and 100 backward passes.
+    "seed": {"batch": 8, "heads": 1, "seq_lens": SEED_SEQ_LENS, "d_heads": [16, 32, 64, 128],
+             "dtypes": ["fp32"], "causal": "no", "iters": 100},
+    # The FlashAttention-2 benchmark: batch 1, causal, bf16 and fp32, seq 128..65536.
+    "flash": {"batch": 1, "heads": 16, "seq_lens": FLASH_SEQ_LENS, "d_heads": [16, 32, 64, 128],
+              "dtypes": ["bf16", "fp32"], "causal": "yes", "iters": 100},
+    # One point, our kernel against the peers; naive would need 16 GiB of probabilities here, so it is left out
+    # and the ratio is to PyTorch's own FlashAttention-2 kernel.
+    "leaderboard": {"batch": 1, "heads": 16, "seq_lens": [16384], "d_heads": [64], "dtypes": ["bf16"],
+                    "causal": "yes", "iters": 100,
+                    "backends": ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "flex"], "baseline": "sdpa-flash"},
+}
+
+# Without a preset. dtype None means bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow, not representative).
+DEFAULTS: dict[str, Any] = {"batch": 1, "heads": 8, "seq_lens": [256, 1024, 4096], "d_heads": [64], "dtypes": None,
+                            "causal": "yes", "iters": 100, "warmup": 10, "backends": None, "baseline": "naive",
+                            "seed": 0}
+
+# Column order of results.csv / results.json rows.
+COLUMNS = [
+    "backend", "batch", "heads", "seq", "d_head", "dtype", "causal", "status", "note",
+    "fwd_ms", "bwd_ms", "fwdbwd_ms", "bwd_method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
+    "fwd_ratio", "bwd_ratio", "fwdbwd_ratio",
+    "inputs_mib", "saved_mib", "saved_tensors_mib", "fwd_peak_mib", "bwd_peak_mib",
+    "err_out", "err_dq", "err_dk", "err_dv", "rel_err", "check", "device",
+]
+
+
+# --- arguments ------------------------------------------------------------------------------------------
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {part!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"sizes must be positive, got {value}")
+        values.append(value)
+    return values
+
+
+def _positive_int(text: str) -> int:
+    values = _positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _dtypes(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for name in names:
+        if name not in DTYPES:
+            raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one dtype")
+    return names
+
+
+def _names(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_attention.py",
+        description="Time and memory of each attention backend at each size; see the module docstring.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep; explicit flags override its fields")
+    p.add_argument("--backends", type=_names, help="comma-separated registry names (default: all that can run here)")
+    p.add_argument("--baseline", help="backend the *_ratio columns divide by (default: naive)")
+    p.add_argument("--batch", type=_positive_int)
+    p.add_argument("--heads", type=_positive_int)
+    p.add_argument("--seq-lens", type=_positive_ints, help="comma-separated, e.g. 256,1024,4096")
+    p.add_argument("--d-heads", type=_positive_ints, help="comma-separated, e.g. 16,32,64,128")
+    p.add_argument("--dtype", "--dtypes", dest="dtypes", type=_dtypes,
+                   help=f"comma-separated of {','.join(DTYPES)} (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--causal", choices=["yes", "no", "both"], help="causal mask, none, or both (default: yes)")
+    p.add_argument("--iters", type=_positive_int, help="timed calls per pass (default: 100)")
+    p.add_argument("--warmup", type=_non_negative_int, help="untimed calls before timing (default: 10)")
+    p.add_argument("--seed", type=_non_negative_int, help="random seed of the inputs (default: 0)")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
+    p.add_argument("--out", type=Path, help="output folder (default: runs/bench_attention/<timestamp>)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
+    p.add_argument("--wandb-project", default="bench_attention")
+    p.add_argument("--explain-memory", action="store_true",
+                   help="for one point (the largest seq and d_head given, first dtype and mask), print the expected "
+                        "bytes of every tensor kept for backward next to the measured figures, and stop")
+    p.add_argument("--list-backends", action="store_true", help="print the registered backends and exit")
+    return p
+
+
+@dataclass
+class Config:
+    backends: list[str]
+    baseline: str
+    batch: int
+    heads: int
+    seq_lens: list[int]
+    d_heads: list[int]
+    dtypes: list[str]
+    causal: list[bool]
+    iters: int
+    warmup: int
+    seed: int
+    device: str
+    out: Path
+    plots: bool
+    wandb: Optional[str]
+    wandb_project: str
+    preset: Optional[str]
+    command: str = ""
+
+    def points(self) -> list[AttentionPoint]:
+        return [AttentionPoint(self.batch, self.heads, n, d, dt, c)
+                for dt in self.dtypes for c in self.causal for d in self.d_heads for n in self.seq_lens]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+
+
+def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
+    """Merge explicit flags over the preset over DEFAULTS, and check names against the registry."""
+    merged = dict(DEFAULTS)
+    merged.update(PRESETS.get(args.preset, {}))
+    for key in ("backends", "baseline", "batch", "heads", "seq_lens", "d_heads", "dtypes", "causal", "iters",
+                "warmup", "seed"):
+        if getattr(args, key) is not None:
+            merged[key] = getattr(args, key)
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is available here (use --device cpu)")
+    registered = backend_names()
+    if merged["backends"] is None:
+        merged["backends"] = [b.name for b in list_attention() if b.available]
+    if not merged["backends"]:
+        parser.error("--backends: no backend given")
+    for name in [*merged["backends"], merged["baseline"]]:
+        if name not in registered:
+            parser.error(f"unknown attention backend {name!r}; valid: {', '.join(registered)}")
+    if merged["dtypes"] is None:
+        merged["dtypes"] = ["bf16"] if device == "cuda" else ["fp32"]
+    causal = {"yes": [True], "no": [False], "both": [False, True]}[merged["causal"]]
+    out = args.out or Path("runs/bench_attention") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Config(
+        backends=list(dict.fromkeys(merged["backends"])), baseline=merged["baseline"], batch=merged["batch"],
+        heads=merged["heads"], seq_lens=list(merged["seq_lens"]), d_heads=list(merged["d_heads"]),
+        dtypes=list(merged["dtypes"]), causal=causal, iters=merged["iters"], warmup=merged["warmup"],
+        seed=merged["seed"], device=device, out=out, plots=not args.no_plots, wandb=args.wandb,
+        wandb_project=args.wandb_project, preset=args.preset,
+    )
+
+
+# --- the sweep -------------------------------------------------------------------------------------------
+
+
+def _allow_many_compilations() -> None:
+    # A sweep compiles flex/compiled once per shape; past dynamo's default limit of 8 recompilations it would
+    # silently fall back to eager and the figures would be of the wrong thing.
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 1024))
+            break
+
+
+def _row(point: AttentionPoint, backend: str, device: str, inputs_mib: Optional[float]) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(COLUMNS)
+    row.update(backend=backend, **point.as_row(), device=device, inputs_mib=inputs_mib)
+    return row
+
+
+def _add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
+    """time / baseline's time at the same point, for each pass; blank when the baseline has no time."""
+    base = next((r for r in rows if r["backend"] == baseline), None)
+    for row in rows:
+        for pass_name in ("fwd", "bwd", "fwdbwd"):
+            mine = row.get(f"{pass_name}_ms")
+            theirs = base.get(f"{pass_name}_ms") if base else None
+            row[f"{pass_name}_ratio"] = mine / theirs if mine is not None and theirs else None
+
+
+def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = None, time_passes: bool = True
+              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows for every backend at `point` (same inputs for all), and the measured saved tensors per backend."""
+    saved_by_backend: dict[str, Any] = {}
+    made = call_catching_oom(lambda: make_inputs(point, cfg.device, seed=cfg.seed), label=f"inputs {point.label()}")
+    if made.oom:  # not even q, k, v fit: every backend is OOM here
+        rows = [_row(point, b, cfg.device, None) | {"status": OOM_STATUS, "note": f"inputs: {made.message}"}
+                for b in cfg.backends]
+        if progress is not None:
+            progress.update(len(cfg.backends))
+        return rows, saved_by_backend
+    inputs: AttentionInputs = made.value
+    inputs_mib = to_mib(sum(t.numel() * t.element_size() for t in inputs.leaves()))
+    ref_outcome = call_catching_oom(lambda: reference(inputs, point.causal), label=f"reference {point.label()}")
+    ref: Optional[Reference] = ref_outcome.value
+
+    rows = []
+    for backend in cfg.backends:
+        label = f"{backend} {point.label()}"
+        if progress is not None:
+            progress.set_postfix_str(label, refresh=False)
+        row = _row(point, backend, cfg.device, inputs_mib)
+        try:
+            outcome = call_catching_oom(
+                lambda: measure_backend(backend, point, inputs, ref, cfg.device, iters=cfg.iters,
+                                        warmup=cfg.warmup, time_passes=time_passes),
+                label=label)
+        except Exception as exc:  # noqa: BLE001 -- a broken backend is a result row; the sweep goes on
+            row.update(status="error", note=f"{type(exc).__name__}: {short_message(exc)}")
+            tqdm.write(f"error: {label}: {row['note']}", file=sys.stderr)
+        else:
+            if outcome.oom:
+                row.update(status=OOM_STATUS, note=outcome.message)
+            else:
+                row.update(outcome.value.row)
+                saved_by_backend[backend] = outcome.value.saved
+        if ref is None and row["status"] == "ok":
+            row["note"] = "; ".join(filter(None, [row["note"], f"no float64 reference: {ref_outcome.message}"]))
+        for t in inputs.leaves():
+            t.grad = None
+        free_memory()
+        rows.append(row)
+        if progress is not None:
+            progress.update(1)
+    _add_ratios(rows, cfg.baseline)
+    del inputs, ref
+    free_memory()
+    return rows, saved_by_backend
+
+
+def run_sweep(cfg: Config) -> list[dict[str, Any]]:
+    points = cfg.points()
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=len(points) * len(cfg.backends), desc="bench_attention", unit="run", file=sys.stderr) as bar:
+        for point in points:
+            point_rows, _ = run_point(point, cfg, bar)
+            rows.extend(point_rows)
+    return rows
+
+
+# --- output ----------------------------------------------------------------------------------------------
+
+
+def _group_name(dtype: str, causal: bool) -> str:
+    return f"{dtype}_{'causal' if causal else 'full'}"
+
+
+def _groups(rows: Sequence[dict[str, Any]]) -> list[tuple[str, bool, list[dict[str, Any]]]]:
+    keys = list(dict.fromkeys((r["dtype"], r["causal"]) for r in rows))
+    return [(dt, c, [r for r in rows if (r["dtype"], r["causal"]) == (dt, c)]) for dt, c in keys]
+
+
+def _memory_key(cfg: Config) -> tuple[str, str]:
+    if cfg.device == "cuda":
+        return "saved_mib", "memory kept after forward (MiB, CUDA allocated after forward - before)"
+    return "saved_tensors_mib", "memory saved for backward (MiB, tensors autograd saved, excluding q, k, v)"
+
+
+def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
+    memory_key, memory_title = _memory_key(cfg)
+    blocks = [
+        f"Command: `{cfg.command}`",
+        f"Device {cfg.device}; batch {cfg.batch}, heads {cfg.heads}; median of ~{cfg.iters} calls after "
+        f"{cfg.warmup} warm-up calls per pass; ratios are time / time of `{cfg.baseline}` at the same point "
+        "(below 1 = faster). TFLOP/s count 4·B·H·N²·D per forward (half when causal), 2.5x that for backward. "
+        "Errors: max |backend - float64 reference| over sampled query rows, with `check` = FAIL when the "
+        f"relative error exceeds {', '.join(f'{k} {v:g}' for k, v in RELATIVE_TOLERANCE.items())}. "
+        "OOM = ran out of memory; unsupported = the backend cannot run this input (reason in results.csv).",
+    ]
+    blocks.append("## Forward + backward time (ms) by backend")
+    for dtype, causal, group in _groups(rows):
+        for d in report.unique_in_order(group, "d_head"):
+            subset = [r for r in group if r["d_head"] == d]
+            blocks.append(f"### {dtype}, {'causal' if causal else 'no mask'}, d_head {d}")
+            blocks.append(report.pivot_markdown(subset, "seq", "backend", "fwdbwd_ms", column_label="backend"))
+    blocks.append("## Per backend: seq x d_head")
+    for dtype, causal, group in _groups(rows):
+        for backend in report.unique_in_order(group, "backend"):
+            subset = [r for r in group if r["backend"] == backend]
+            blocks.append(f"### {backend}, {dtype}, {'causal' if causal else 'no mask'}")
+            for key, title in (("fwd_ms", "forward (ms)"), ("bwd_ms", "backward (ms)"), (memory_key, memory_title),
+                               ("fwdbwd_tflops", "forward + backward TFLOP/s")):
+                blocks.append(f"{title}\n\n" + report.pivot_markdown(subset, "seq", "d_head", key))
+    blocks.append("## Correctness (worst over the points each backend ran)")
+    blocks.append(report.markdown_table(_correctness_summary(rows),
+                                        ["backend", "dtype", "points", "max_rel_err", "max_err_out", "max_err_dq",
+                                         "max_err_dk", "max_err_dv", "failed"]))
+    not_run = _not_run_summary(rows)
+    if not_run:
+        blocks.append("## Not run, or forward only")
+        blocks.append(report.markdown_table(not_run, ["backend", "status", "points", "reason"]))
+    if any(r.get("bwd_method") == BWD_DIFFERENCE for r in rows):
+        blocks.append(f"Backward times marked `{BWD_DIFFERENCE}` in results.csv are (forward+backward) - forward: "
+                      "the backend's backward cannot be replayed with retain_graph.")
+    return blocks
+
+
+def _worst(values: Sequence[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _correctness_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    summary = []
+    for backend, dtype in dict.fromkeys((r["backend"], r["dtype"]) for r in rows):
+        ran = [r for r in rows if r["backend"] == backend and r["dtype"] == dtype and r.get("rel_err") is not None]
+        if not ran:
+            continue
+        summary.append({"backend": backend, "dtype": dtype, "points": len(ran),
+                        "max_rel_err": _worst([r["rel_err"] for r in ran]),
+                        **{f"max_err_{k}": _worst([r[f"err_{k}"] for r in ran]) for k in ("out", "dq", "dk", "dv")},
+                        "failed": sum(r["check"] == "FAIL" for r in ran)})
+    return summary
+
+
+def _not_run_summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    counts: dict[tuple[str, str, str], int] = {}
+    for r in rows:
+        note = r.get("note") or ""
+        if r["status"] != "ok" or note.startswith("forward only"):
+            status = r["status"] if r["status"] != "ok" else "forward only"
+            key = (r["backend"], status, note.removeprefix("forward only: "))
+            counts[key] = counts.get(key, 0) + 1
+    return [{"backend": b, "status": s, "points": n, "reason": reason} for (b, s, reason), n in counts.items()]
+
+
+def write_plots(rows: Sequence[dict[str, Any]], cfg: Config) -> dict[str, Path]:
+    """PNG per (dtype, mask) group: times, memory and TFLOP/s against seq, one line per backend, one panel per d."""
+    memory_key, _ = _memory_key(cfg)
+    plots: dict[str, Path] = {}
+    for dtype, causal, group in _groups(rows):
+        name = _group_name(dtype, causal)
+        specs = [
+            (f"time_fwd_{name}", "fwd_ms", "forward time (ms)", True),
+            (f"time_bwd_{name}", "bwd_ms", "backward time (ms)", True),
+            (f"time_fwdbwd_{name}", "fwdbwd_ms", "forward + backward time (ms)", True),
+            (f"memory_{name}", memory_key, "memory kept for backward (MiB)", True),
+            (f"tflops_{name}", "fwdbwd_tflops", "forward + backward TFLOP/s", False),
+        ]
+        for stem, key, label, logy in specs:
+            path = report.plot_lines(group, "seq", key, "backend", cfg.out / f"{stem}.png", facet="d_head",
+                                     title=f"{label}, {dtype}, {'causal' if causal else 'no mask'}",
+                                     xlabel="sequence length", ylabel=label, logx=True, logy=logy)
+            if path is not None:
+                plots[stem] = path
+    return plots
+
+
+def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str, Any]) -> dict[str, Path]:
+    files = {
+        "md": report.write_markdown(cfg.out / "results.md", "Attention benchmark", markdown_blocks(rows, cfg),
+                                    environment),
+        "csv": report.write_csv(rows, cfg.out / "results.csv", COLUMNS),
+        "json": report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict()),
+    }
+    plots = write_plots(rows, cfg) if cfg.plots else {}
+    files.update(plots)
+    if cfg.wandb:
+        report.log_wandb(rows, mode=cfg.wandb, project=cfg.wandb_project, run_name=cfg.out.name, images=plots,
+                         config=cfg.as_dict(), environment=environment, directory=cfg.out)
+    return files
+
+
+# --- explain-memory -------------------------------------------------------------------------------------
+
+
+def explain_memory(cfg: Config) -> tuple[list[dict[str, Any]], str]:
+    """Measure one point (largest seq and d_head, first dtype and mask) and explain each backend's memory."""
+    point = AttentionPoint(cfg.batch, cfg.heads, max(cfg.seq_lens), max(cfg.d_heads), cfg.dtypes[0], cfg.causal[0])
+    rows, saved = run_point(point, cfg, time_passes=False)
+    blocks = [explain_header(point, cfg.device)]
+    blocks += [explain_backend(r["backend"], point, r, saved.get(r["backend"])) for r in rows]
+    return rows, "\n\n".join(blocks)
+
+
+# --- entry point ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchResult:
+    rows: list[dict[str, Any]]
+    config: Config
+    environment: dict[str, Any]
+    files: dict[str, Path] = field(default_factory=dict)
+    explanation: Optional[str] = None
+
+
+def _backend_listing() -> str:
+    return "\n".join(f"{b.name:<12} {'yes' if b.available else 'no ':<4} {b.description}"
+                     + ("" if b.available else f" ({b.reason})") for b in list_attention())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
+    """Run the benchmark for command-line `argv`; returns its rows, config, environment and written files."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list_backends:
+        print(_backend_listing())
+        return None
+    cfg = resolve_config(args, parser)
+    cfg.command = shlex.join(["python", "bench_attention.py", *(sys.argv[1:] if argv is None else argv)])
+    _allow_many_compilations()
+    environment = environment_info(cfg.device)
+    print(f"bench_attention on {describe(environment)}", file=sys.stderr)
+
+    if args.explain_memory:
+        rows, text = explain_memory(cfg)
+        print(text)
+        return BenchResult(rows, cfg, environment, explanation=text)
+
+    rows = run_sweep(cfg)
+    files = write_outputs(rows, cfg, environment)
+    bad = [r for r in rows if r["status"] == "error" or r["check"] == "FAIL"]
+    print(f"wrote {len(rows)} rows to {cfg.out}/ (results.md, results.csv, results.json"
+          f"{', plots' if cfg.plots else ''})", file=sys.stderr)
+    for r in bad:
+        print(f"  {r['backend']} at seq={r['seq']} d={r['d_head']} {r['dtype']}: "
+              f"{r['status'] if r['status'] == 'error' else 'FAIL, rel_err ' + format(r['rel_err'], '.3g')}"
+              f" {r['note'] or ''}", file=sys.stderr)
+    return BenchResult(rows, cfg, environment, files)
+
+
+def cli() -> int:
+    """Exit status 1 when a backend raised or failed the correctness check, so scripts notice."""
+    result = main()
+    if result is None:
+        return 0
+    return int(any(r["status"] == "error" or r["check"] == "FAIL" for r in result.rows))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

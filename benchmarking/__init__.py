@@ -1,0 +1,1 @@
+"""Benchmark machinery shared by bench_attention.py and bench_model.py: timing, OOM handling, reports."""

@@ -1,0 +1,160 @@
+"""Measure one attention backend at one point: memory, correctness against float64, and fwd/bwd times.
+
+Order per backend, on the shared inputs of the point:
+1. warm-up forward+backward (torch.compile, Triton autotuning and allocator growth happen here, untimed);
+2. a measured pass: memory before/after/peak of the forward, peak of the backward, the tensors autograd
+   saved, and the output and gradients compared with the float64 reference (`attention_reference`);
+3. timings (`benchmarking.timing.time_ms`, median over about `iters` calls):
+   - fwd: a training forward (inputs require grad, so the graph and saved tensors are built each call);
+   - fwdbwd: forward then backward from the same upstream gradient, grads reset to None before each call;
+   - bwd: backward alone, timed by replaying one forward's graph with retain_graph=True (grads reset before
+     each call). Backends whose backward cannot be replayed (torch.compile frees its saved buffers after
+     one backward: "donated buffers") get bwd = fwdbwd - fwd instead; `bwd_method` says which.
+A backend whose backward cannot run on this input but whose forward can (FlexAttention on CPU) is
+measured forward-only (no grad), and the row's note says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from attention import get_attention, why_not
+from benchmarking.attention_memory import SavedTensor, SavedTensorRecorder
+from benchmarking.attention_point import AttentionInputs, AttentionPoint
+from benchmarking.attention_reference import Reference, errors
+from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
+from benchmarking.timing import (allocated_bytes, peak_allocated_bytes, reset_peak_memory, tflops, time_ms,
+                                 to_mib)
+
+BWD_RETAIN_GRAPH = "retain_graph"
+BWD_DIFFERENCE = "fwdbwd-fwd"
+
+
+@dataclass
+class Measurement:
+    row: dict[str, object]  # the figures for the result row (no point/backend identity)
+    saved: Optional[list[SavedTensor]]  # what autograd kept for backward, None if not recorded
+
+
+def _clear_grads(inputs: AttentionInputs) -> None:
+    for t in inputs.leaves():
+        t.grad = None
+
+
+def run_mode(name: str, inputs: AttentionInputs, causal: bool) -> tuple[Optional[str], Optional[str]]:
+    """('train', None), ('forward', why backward is skipped) or (None, why it cannot run at all)."""
+    reason = why_not(name, inputs.q, inputs.k, inputs.v, causal)
+    if reason is None:
+        return "train", None
+    with torch.no_grad():  # some backends only lack a backward (their check looks at requires_grad)
+        detached = [t.detach() for t in inputs.leaves()]
+        forward_reason = why_not(name, *detached, causal)
+    if forward_reason is None:
+        return "forward", reason
+    return None, reason
+
+
+def _memory_and_correctness(attend: Callable, inputs: AttentionInputs, point: AttentionPoint,
+                            ref: Optional[Reference], device: torch.device, train: bool) -> Measurement:
+    free_memory()
+    reset_peak_memory(device)
+    before = allocated_bytes(device)
+    saved = None
+    if train:
+        with SavedTensorRecorder(exclude=inputs.leaves()) as recorder:
+            out = attend(inputs.q, inputs.k, inputs.v)
+        saved = recorder.tensors
+    else:
+        with torch.no_grad():
+            out = attend(*(t.detach() for t in inputs.leaves()))
+    after, fwd_peak = allocated_bytes(device), peak_allocated_bytes(device)
+    row: dict[str, object] = {
+        "saved_mib": None if before is None else to_mib(after - before),
+        "saved_tensors_mib": to_mib(sum(s.nbytes for s in saved)) if saved is not None else None,
+        "fwd_peak_mib": None if before is None else to_mib(fwd_peak - before),
+        "bwd_peak_mib": None,
+    }
+    grads = None
+    if train:
+        reset_peak_memory(device)
+        out.backward(inputs.grad_out_check)
+        bwd_peak = peak_allocated_bytes(device)
+        row["bwd_peak_mib"] = None if before is None else to_mib(bwd_peak - before)
+        grads = (inputs.q.grad, inputs.k.grad, inputs.v.grad)
+    if ref is not None:
+        row.update(errors(ref, inputs, out, point.dtype, grads))
+    del out, grads
+    _clear_grads(inputs)
+    return Measurement(row, saved)
+
+
+def _times(attend: Callable, inputs: AttentionInputs, point: AttentionPoint, device: torch.device,
+           iters: int, warmup: int, train: bool) -> dict[str, object]:
+    q, k, v, leaves = inputs.q, inputs.k, inputs.v, inputs.leaves()
+    row: dict[str, object] = {"fwd_ms": None, "bwd_ms": None, "fwdbwd_ms": None, "bwd_method": None}
+    if not train:
+        detached = [t.detach() for t in leaves]
+        with torch.no_grad():
+            row["fwd_ms"] = time_ms(lambda: attend(*detached), device, iters=iters, warmup=warmup).median_ms
+        return row
+    row["fwd_ms"] = time_ms(lambda: attend(q, k, v), device, iters=iters, warmup=warmup).median_ms
+    row["fwdbwd_ms"] = time_ms(lambda: attend(q, k, v).backward(inputs.grad_out), device, iters=iters,
+                               warmup=warmup, grad_to_none=leaves).median_ms
+    out = attend(q, k, v)
+    try:
+        row["bwd_ms"] = time_ms(lambda: out.backward(inputs.grad_out, retain_graph=True), device, iters=iters,
+                                warmup=warmup, grad_to_none=leaves).median_ms
+        row["bwd_method"] = BWD_RETAIN_GRAPH
+    except RuntimeError as exc:
+        if "retain_graph" not in str(exc):
+            raise
+        difference = row["fwdbwd_ms"] - row["fwd_ms"]
+        # A negative difference means timing noise exceeds the backward's cost: no figure rather than 0.
+        row["bwd_ms"] = difference if difference > 0 else None
+        row["bwd_method"] = BWD_DIFFERENCE
+    del out
+    _clear_grads(inputs)
+    return row
+
+
+def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, ref: Optional[Reference],
+                    device: torch.device | str, *, iters: int, warmup: int, time_passes: bool = True) -> Measurement:
+    """Figures for backend `name` at `point` (status 'ok'), or status 'unsupported' with the reason.
+
+    Raises what the backend raises (the caller turns OOM into a row); `ref` None skips the error columns.
+    """
+    device = torch.device(device)
+    mode, reason = run_mode(name, inputs, point.causal)
+    if mode is None:
+        return Measurement({"status": "unsupported", "note": reason}, None)
+    train = mode == "train"
+    backend = get_attention(name)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return backend(q, k, v, causal=point.causal)
+
+    # Warm-up: compilation and autotuning must not land in the measured memory or times.
+    if train:
+        attend(inputs.q, inputs.k, inputs.v).backward(inputs.grad_out)
+        _clear_grads(inputs)
+    else:
+        with torch.no_grad():
+            attend(*(t.detach() for t in inputs.leaves()))
+
+    measured = _memory_and_correctness(attend, inputs, point, ref, device, train)
+    row: dict[str, object] = {"status": "ok", "note": None if train else f"forward only: {reason}"}
+    row.update(measured.row)
+    if time_passes:
+        # Memory and errors above stay in the row if only the repeated timing calls run out of memory.
+        timed = call_catching_oom(lambda: _times(attend, inputs, point, device, iters, warmup, train))
+        if timed.oom:
+            _clear_grads(inputs)
+            row.update(status=OOM_STATUS, note=f"while timing: {timed.message}")
+            return Measurement(row, measured.saved)
+        row.update(timed.value)
+        for pass_name in ("fwd", "bwd", "fwdbwd"):
+            row[f"{pass_name}_tflops"] = tflops(point.flop(pass_name), row.get(f"{pass_name}_ms"))
+    return Measurement(row, measured.saved)

@@ -1,0 +1,109 @@
+"""benchmarking.model_memory: exact parameter count, and saved activations against what autograd really saves."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarking.model_memory import (
+    MODES,
+    explain_memory,
+    format_breakdown,
+    layer_activations,
+    matmul_weight_count,
+    measure_saved_bytes,
+    param_count,
+)
+from model import PRESETS, ModelConfig, TransformerLM, config_for
+
+TINY = dict(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256, context_length=64)
+
+
+@pytest.mark.parametrize("size", list(PRESETS))
+def test_param_count_matches_num_params_for_every_preset(size):
+    cfg = config_for(size)
+    with torch.device("meta"):  # shapes only: no 10B-parameter allocation
+        model = TransformerLM(cfg)
+    assert param_count(cfg) == model.num_params()
+
+
+@pytest.mark.parametrize("dims", [(64, 2, 4, 128, 256), (96, 3, 6, 80, 1000), (32, 1, 2, 64, 10)])
+def test_param_count_matches_num_params_for_custom_dims(dims):
+    d, n_layers, h, f, v = dims
+    cfg = ModelConfig(d_model=d, n_layers=n_layers, n_heads=h, d_ff=f, vocab_size=v)
+    assert param_count(cfg) == TransformerLM(cfg).num_params()
+
+
+def _measured_saved(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> int:
+    torch.manual_seed(seq)
+    model = TransformerLM(cfg)
+    ids = torch.randint(cfg.vocab_size, (batch, seq))
+    targets = torch.randint(cfg.vocab_size, (batch, seq))
+
+    def loss():  # the bench_model.py loss: model under autocast, cross-entropy in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return measure_saved_bytes(loss, exclude=list(model.parameters()))
+
+
+@pytest.mark.parametrize("attn", ["naive", "sdpa"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("batch,seq", [(2, 16), (3, 40)])
+def test_saved_activations_match_what_autograd_saves(attn, dtype, batch, seq):
+    cfg = ModelConfig(**{**TINY, "attn": attn})
+    measured = _measured_saved(cfg, batch, seq, dtype)
+    mb = explain_memory(cfg, batch, seq, dtype, "forward-backward", device_type="cpu")
+    weight_copies = 2 * matmul_weight_count(cfg) if dtype == "bf16" else 0  # saved by each Linear too
+    expected = mb.saved_bytes + weight_copies
+    assert measured == pytest.approx(expected, rel=0.02), format_breakdown(mb, [("measured", measured)])
+
+
+def test_naive_scores_grow_with_context_squared_and_fused_do_not():
+    cfg = ModelConfig(**{**TINY, "attn": "naive"})
+    quad = {t.name: t.nbytes for t in layer_activations(cfg, 2, 512, "fp32").terms}
+    assert quad["attention probs (softmax output)"] == 2 * 4 * 512 * 512 * 4  # B * h * T^2 * 4 bytes
+    double = {t.name: t.nbytes for t in layer_activations(cfg, 2, 1024, "fp32").terms}
+    assert double["attention probs (softmax output)"] == 4 * quad["attention probs (softmax output)"]
+    fused = layer_activations(ModelConfig(**{**TINY, "attn": "sdpa"}), 2, 512, "fp32")
+    assert not any("probs" in t.name for t in fused.terms)
+    cuda_bf16 = {t.name for t in layer_activations(cfg, 2, 512, "bf16", device_type="cuda").terms}
+    assert "attention probs, bf16 copy for probs @ v" in cuda_bf16  # CUDA autocast softmax is fp32
+
+
+def test_state_terms_follow_the_mode():
+    cfg = ModelConfig(**TINY)
+    p = param_count(cfg)
+    state = {m: {t.name: t.nbytes for t in explain_memory(cfg, 2, 32, "fp32", m).state[0].terms} for m in MODES}
+    assert state["forward"] == {"parameters (fp32 master weights)": 4 * p}
+    assert state["forward-backward"]["gradients (fp32)"] == 4 * p
+    assert "AdamW exp_avg and exp_avg_sq (fp32)" not in state["forward-backward"]
+    assert state["train-step"]["AdamW exp_avg and exp_avg_sq (fp32)"] == 8 * p
+    fwd = explain_memory(cfg, 2, 32, "fp32", "forward")
+    assert fwd.saved_bytes == 0 and fwd.expected_peak_bytes > 4 * p
+
+
+def test_logits_term_is_batch_context_vocab_times_four():
+    cfg = ModelConfig(**{**TINY, "vocab_size": 10_000})
+    mb = explain_memory(cfg, 4, 128, "bf16", "train-step")
+    head = {t.name: t.nbytes for t in mb.saved[1].terms}
+    assert head["log-softmax of the logits (fp32, saved by cross-entropy)"] == 4 * 128 * 10_000 * 4
+
+
+def test_format_lists_terms_and_measured_figures():
+    mb = explain_memory(ModelConfig(**{**TINY, "attn": "naive"}), 2, 32, "fp32", "train-step")
+    text = format_breakdown(mb, [("measured peak", 3 * 1024**2), ("measured elsewhere", None)])
+    for needle in ("parameters (fp32 master weights)", "attention probs", "x 2 layers", "expected peak",
+                   "measured peak", "3.00 MiB", "n/a"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype="fp16"), "dtype must be"),
+    (dict(mode="backward"), "mode must be one of"),
+    (dict(batch=0), "batch and seq must be >= 1"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    args = dict(batch=2, seq=16, dtype="fp32", mode="forward") | kwargs
+    with pytest.raises(ValueError, match=match):
+        explain_memory(ModelConfig(**TINY), **args)

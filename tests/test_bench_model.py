@@ -1,0 +1,189 @@
+"""bench_model.py end to end on CPU with a tiny custom model: rows, files, profiling flags, OOM rows, bad args."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+import bench_model
+from benchmarking.oom import INJECT_OOM_ENV
+from model import ModelConfig, TransformerLM
+from profiling import nvtx
+
+TINY = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--vocab-size", "256",
+        "--batch-size", "2", "--warmup", "1", "--steps", "2", "--device", "cpu", "--no-progress"]
+TINY_PARAMS = TransformerLM(ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256)).num_params()
+PHASES_OF = {
+    "forward": {"forward", "total"},
+    "forward-backward": {"forward", "backward", "total"},
+    "train-step": {"forward", "backward", "optimizer", "total"},
+}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_model")
+    rows = bench_model.main([*TINY, "--context-lengths", "16,32", "--attn", "naive",
+                             "--mode", "forward,forward-backward,train-step", "--out", str(out)])
+    return rows, out
+
+
+def test_every_mode_and_context_gets_a_row_with_positive_figures(sweep):
+    rows, _ = sweep
+    assert [(r["context_length"], r["mode"]) for r in rows] == [
+        (t, m) for t in (16, 32) for m in ("forward", "forward-backward", "train-step")]
+    for r in rows:
+        assert r["status"] == "ok" and r["size"] == "custom"
+        assert r["params"] == TINY_PARAMS
+        for phase in bench_model.PHASES:
+            mean, std = r[f"{phase}_ms_mean"], r[f"{phase}_ms_std"]
+            if phase in PHASES_OF[r["mode"]]:
+                assert mean > 0 and std >= 0
+            else:
+                assert mean is None and std is None
+        parts = sum(r[f"{p}_ms_mean"] for p in ("forward", "backward", "optimizer") if r[f"{p}_ms_mean"])
+        assert r["total_ms_mean"] == pytest.approx(parts, rel=1e-6)
+        assert r["tokens_per_s"] == pytest.approx(2 * r["context_length"] / (r["total_ms_mean"] / 1e3))
+        assert r["mfu"] is None and r["peak_mem_gib"] is None  # CPU: no peak FLOPs, no allocator stats
+
+
+def test_output_files_have_the_documented_columns(sweep):
+    rows, out = sweep
+    with (out / "results.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == list(bench_model.COLUMNS)
+        csv_rows = list(reader)
+    assert len(csv_rows) == len(rows)
+    assert all(int(r["params"]) == TINY_PARAMS and float(r["total_ms_mean"]) > 0 for r in csv_rows)
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["environment"]["torch"] == torch.__version__
+    assert [set(r) for r in payload["rows"]] == [set(bench_model.COLUMNS)] * len(rows)
+    assert payload["config"]["configs"]["custom"]["d_model"] == 64
+    md = (out / "results.md").read_text()
+    assert "# Model benchmark" in md and "## Total step ms, naive fp32 compile=off train-step" in md
+    assert "## Environment" in md
+    for mode in PHASES_OF:
+        assert (out / f"step_time_{mode}.png").stat().st_size > 0
+
+
+def test_profile_writes_a_trace_and_a_cpu_op_table(tmp_path, capsys):
+    prof = tmp_path / "prof"
+    rows = bench_model.main([*TINY, "--context-lengths", "16", "--attn", "naive", "--mode", "train-step",
+                             "--profile", str(prof), "--profile-steps", "2", "--out", str(tmp_path / "out")])
+    assert rows[0]["status"] == "ok"
+    assert json.loads((prof / "trace.json").read_text())["traceEvents"]
+    table = (prof / "kernels.md").read_text()
+    assert "CPU ops by self CPU time" in table
+    assert "| `aten::mm` |" in table and "| `aten::bmm` |" in table  # naive attention's batched matmuls
+    assert "CPU ops by self CPU time" in capsys.readouterr().out
+
+
+def test_profile_of_several_configurations_gets_one_folder_each(tmp_path):
+    prof = tmp_path / "prof"
+    bench_model.main([*TINY, "--context-lengths", "16,32", "--mode", "forward", "--profile", str(prof),
+                      "--profile-steps", "1", "--out", str(tmp_path / "out")])
+    folders = sorted(p.name for p in prof.iterdir())
+    assert len(folders) == 2 and all((prof / f / "kernels.md").exists() for f in folders)
+    assert "T=16" in folders[0] and "T=32" in folders[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_memory_snapshot_on_cpu_fails_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_model.main([*TINY, "--context-lengths", "16", "--memory-snapshot", str(tmp_path / "s.pickle"),
+                          "--out", str(tmp_path / "out")])
+    assert exit_info.value.code != 0
+    assert "--memory-snapshot needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "s.pickle").exists()
+
+
+def test_injected_oom_gives_an_oom_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv(INJECT_OOM_ENV, "T=32")
+    rows = bench_model.main([*TINY, "--context-lengths", "16,32,48", "--mode", "forward",
+                             "--out", str(tmp_path)])
+    assert [r["status"] for r in rows] == ["ok", "OOM", "ok"]
+    oom = rows[1]
+    assert "injected out of memory" in oom["message"]
+    assert oom["total_ms_mean"] is None and oom["params"] == TINY_PARAMS
+    assert "| custom | 0.1 | 32 |" in (tmp_path / "results.md").read_text()
+
+
+def test_backend_that_cannot_run_here_is_a_row_not_a_crash(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("sdpa-flash runs on CUDA")
+    rows = bench_model.main([*TINY, "--context-lengths", "16", "--attn", "sdpa-flash,sdpa", "--mode", "forward",
+                             "--out", str(tmp_path)])
+    assert [(r["attn"], r["status"]) for r in rows] == [("sdpa-flash", "unsupported"), ("sdpa", "ok")]
+    assert "CUDA" in rows[0]["message"]
+
+
+def test_explain_memory_prints_the_breakdown_beside_the_measurement(tmp_path, capsys):
+    rows = bench_model.main([*TINY, "--context-lengths", "32", "--attn", "naive", "--mode", "train-step",
+                             "--explain-memory", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    for needle in ("parameters (fp32 master weights)", "AdamW exp_avg and exp_avg_sq", "attention probs",
+                   "log-softmax of the logits", "expected peak", "measured: saved for backward",
+                   "measured: peak allocated over the timed steps"):
+        assert needle in printed
+    lines = {line[:68].strip(): line[68:].strip() for line in printed.splitlines() if len(line) > 68}
+    # the eager forward saves exactly what the accounting lists
+    assert lines["measured: saved for backward, eager (incl. autocast weight copies)"] == \
+        lines["expected, same terms"]
+    assert "## Memory accounting" in (tmp_path / "results.md").read_text()
+    assert rows[0]["status"] == "ok"
+
+
+def test_nvtx_ranges_cover_warmup_steps_phases_and_attention(tmp_path, monkeypatch):
+    pushed = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", pushed.append)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: pushed.append(None))
+    bench_model.main([*TINY, "--context-lengths", "16", "--attn", "naive", "--mode", "train-step", "--nvtx",
+                      "--out", str(tmp_path)])
+    names = [n for n in pushed if n is not None]
+    for name in ("warmup", "step 0", "step 1", "forward", "backward", "optimizer",
+                 "attention.scores", "attention.softmax", "attention.output"):
+        assert name in names
+    assert len(names) == pushed.count(None)  # balanced
+    assert not nvtx.is_enabled()  # main() switches it off again
+
+
+def test_sweep_order_and_compile_both():
+    args = bench_model.parse_args([*TINY, "--sizes", "small", "--context-lengths", "128,256", "--attn", "naive,sdpa",
+                                   "--dtype", "fp32,bf16", "--compile", "both", "--mode", "forward,train-step"])
+    points = bench_model.sweep_points(args)
+    assert len(points) == 2 * 2 * 2 * 2 * 2 * 2  # sizes x attn x dtype x compile x context x mode
+    assert points[0].size == "small" and points[-1].size == "custom"
+    assert points[0].cfg.attn == "naive" and points[0].context_length == 128
+    assert {p.compile for p in points} == {False, True}
+    assert bench_model.parse_args([*TINY, "--compile"]).compile == "on"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--sizes", "huge"], "unknown size 'huge'; valid: "),
+    (["--attn", "fastest"], "unknown attention backend 'fastest'; valid: naive"),
+    (["--n-heads", "5"], "d_model (64) must be divisible by n_heads (5)"),
+    (["--dtype", "fp16"], "unknown dtype 'fp16'; valid: fp32, bf16"),
+    (["--mode", "backward"], "unknown mode 'backward'; valid: forward, forward-backward, train-step"),
+    (["--context-lengths", "128,abc"], "'abc' is not an integer"),
+    (["--context-lengths", "0"], "values must be >= 1"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_arguments_exit_with_a_message(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_model.parse_args([*TINY, *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_size_lists_the_presets(capsys):
+    with pytest.raises(SystemExit):
+        bench_model.parse_args(["--sizes", "small,giant"])
+    err = capsys.readouterr().err
+    assert "small, medium, large, xl, 2.7B" in err
+
+
+def test_custom_size_needs_all_four_dims(capsys):
+    with pytest.raises(SystemExit):
+        bench_model.parse_args(["--d-model", "64", "--n-heads", "4"])
+    assert "missing --n-layers --d-ff" in capsys.readouterr().err

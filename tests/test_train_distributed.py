@@ -1,0 +1,215 @@
+"""train.py on two CPU processes over gloo: DDP and FSDP train like one process on the same global batch, and
+checkpoints move between one process, DDP and FSDP."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from model import ModelConfig, TransformerLM
+from tests.ranks import run_ranks
+from training import checkpoint, consolidate, sharded_checkpoint
+from training.data import batch_at, load_corpus, split_train_val
+
+STEPS = 8
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "16",
+        "--batch-size", "4", "--dtype", "fp32", "--device", "cpu", "--steps", str(STEPS), "--warmup-steps", "2",
+        "--lr", "3e-3", "--min-lr", "3e-4", "--log-every", "1", "--eval-every", "0", "--eval-batches", "2",
+        "--ckpt-every", "100", "--wandb", "disabled"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes((stdlib / "argparse.py").read_bytes())
+    return path
+
+
+def argv(text_file: Path, out: Path, *extra: str) -> list[str]:
+    return [*TINY, "--data", str(text_file), "--out", str(out), *extra]
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_training(got: list[dict], want: list[dict]) -> None:
+    """Same steps and, up to float summation order, the same losses and gradient norms."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-4, atol=0)
+    assert max(r["grad_norm"] for r in want) > 1.0, "clipping (--grad-clip 1) should act in these runs"
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def assert_ranks_exited(results, *codes) -> None:
+    got = [r.exit_code for r in results]
+    assert got == list(codes), "\n".join(f"rank {i} (exit {r.exit_code}):\n{r.stderr[-3000:]}"
+                                         for i, r in enumerate(results))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, text_file) -> Path:
+    """The reference: one process, the same global batch of 4."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    assert train.main(argv(text_file, out)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, text_file) -> Path:
+    """FSDP over 2 ranks, activation checkpointing on, straight through."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    results = run_ranks(argv(text_file, out, "--parallel", "fsdp", "--activation-checkpointing"), out.parent / "logs")
+    assert_ranks_exited(results, 0, 0)
+    return out
+
+
+def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
+    out = tmp_path / "ddp"
+    results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs")
+    assert_ranks_exited(results, 0, 0)
+    assert_same_training(rows(out), rows(one_process))
+    ddp, ref = checkpoint.load(out / "checkpoint.pt"), checkpoint.load(one_process / "checkpoint.pt")
+    assert ddp["step"] == STEPS
+    assert_same_weights(ddp["model"], ref["model"])
+    # Each rank trains on its own half of the global batch.
+    tokens = load_corpus(str(text_file), tmp_path).tokens
+    global_inputs, _ = batch_at(split_train_val(tokens, 16)[0], 4, 16, seed=0, step=0)
+    halves = [torch.load(tmp_path / "logs" / f"rank{r}.first_inputs.pt") for r in (0, 1)]
+    assert [h.shape for h in halves] == [(2, 16), (2, 16)]
+    torch.testing.assert_close(torch.cat(halves), global_inputs, rtol=0, atol=0)
+    # Rank 0 alone reports; the other rank stays silent.
+    assert "ddp over 2 ranks" in results[0].stdout and f"step {STEPS}/{STEPS}" in results[0].stdout
+    assert results[1].stdout == ""
+
+
+def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_process, capsys):
+    assert_same_training(rows(fsdp_run), rows(one_process))
+    dcp_dir = fsdp_run / sharded_checkpoint.DCP_DIR_NAME
+    assert sorted(p.name for p in dcp_dir.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "extras.pt"]
+    assert not list(fsdp_run.glob(".checkpoint_dcp*")), "temporary or old checkpoint left behind"
+
+    assert consolidate.main([str(dcp_dir), str(tmp_path / "full.pt"), "--model-only"]) == 0
+    assert f"step {STEPS}" in capsys.readouterr().out
+    full = checkpoint.load(tmp_path / "full.pt")
+    assert "optimizer" not in full
+    ref = checkpoint.load(one_process / "checkpoint.pt")
+    assert_same_weights(full["model"], ref["model"])
+    model = TransformerLM(ModelConfig(**full["model_config"]))
+    model.load_state_dict(full["model"])  # strict: the documented keys, nothing missing or extra
+
+
+def test_checkpoints_move_between_one_process_and_ddp(tmp_path, text_file, one_process, monkeypatch):
+    out = tmp_path / "run"
+    real_loss, calls = train.lm_loss, {"n": 0}
+
+    def interrupt_at_step_3(*a):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_loss(*a)
+
+    monkeypatch.setattr(train, "lm_loss", interrupt_at_step_3)
+    assert train.main(argv(text_file, out)) == 130
+    monkeypatch.setattr(train, "lm_loss", real_loss)
+    assert checkpoint.load(out / "checkpoint.pt")["step"] == 3
+
+    # One process -> DDP: resume, then Ctrl-C on rank 1 alone during step 6; both ranks stop there and save.
+    results = run_ranks(argv(text_file, out, "--parallel", "ddp", "--resume"), tmp_path / "logs", interrupt=(1, 3))
+    assert_ranks_exited(results, 130, 130)
+    assert checkpoint.load(out / "checkpoint.pt")["step"] == 6
+
+    # DDP -> one process: finish the run.
+    assert train.main(argv(text_file, out, "--resume")) == 0
+    assert_same_training(rows(out), rows(one_process))
+    assert_same_weights(checkpoint.load(out / "checkpoint.pt")["model"],
+                        checkpoint.load(one_process / "checkpoint.pt")["model"])
+
+
+def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run, one_process, capsys):
+    out = tmp_path / "run"
+    fsdp_argv = argv(text_file, out, "--parallel", "fsdp", "--activation-checkpointing")
+    results = run_ranks(fsdp_argv, tmp_path / "logs1", interrupt=(1, 5))
+    assert_ranks_exited(results, 130, 130)
+    dcp_dir = out / sharded_checkpoint.DCP_DIR_NAME
+    assert sharded_checkpoint.load_extras(dcp_dir)["step"] == 5
+
+    # A sharded checkpoint is not read by one process; the message says how to consolidate it.
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copytree(dcp_dir, single / sharded_checkpoint.DCP_DIR_NAME)
+    assert train.main(argv(text_file, single, "--resume")) == 1
+    assert "python -m training.consolidate" in capsys.readouterr().err
+    consolidate.consolidate(dcp_dir, single / checkpoint.CHECKPOINT_NAME)
+    shutil.copy(out / "metrics.jsonl", single / "metrics.jsonl")
+
+    results = run_ranks([*fsdp_argv, "--resume"], tmp_path / "logs2")
+    assert_ranks_exited(results, 0, 0)
+    # The same computation as the straight FSDP run, so the very same losses.
+    assert [r["loss"] for r in rows(out)] == [r["loss"] for r in rows(fsdp_run)]
+
+    # The consolidated step-5 checkpoint, with its optimizer state, carries on in one process.
+    assert train.main(argv(text_file, single, "--resume")) == 0
+    assert_same_training(rows(single), rows(one_process))
+    assert_same_weights(checkpoint.load(single / checkpoint.CHECKPOINT_NAME)["model"],
+                        checkpoint.load(one_process / checkpoint.CHECKPOINT_NAME)["model"])
+
+
+def test_a_stalled_rank_becomes_an_error_after_the_timeout(tmp_path, text_file):
+    results = run_ranks(argv(text_file, tmp_path / "run", "--parallel", "ddp", "--dist-timeout", "3"),
+                        tmp_path / "logs", stall=(1, 3), grace_s=2)
+    assert results[0].exit_code not in (0, None), "rank 0 must fail, not wait for the stalled rank forever"
+    assert "Timed out" in results[0].stderr
+
+
+def test_torchrun_launches_train_py(tmp_path, text_file, one_process):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run([*torchrun, "train.py", *argv(text_file, out, "--parallel", "ddp")], env=env,
+                          cwd=Path(train.__file__).parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_training(rows(out), rows(one_process))
+
+
+@pytest.mark.parametrize(
+    "env, extra, message",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+         ["--parallel", "ddp"], r"--batch-size 4 \(the global batch\) is not divisible by the world size 3"),
+        ({}, ["--parallel", "fsdp"], r"needs the process variables torchrun sets \(RANK, WORLD_SIZE, LOCAL_RANK, "
+                                     r"MASTER_ADDR, MASTER_PORT missing\); launch with `torchrun --nproc-per-node N"),
+        ({}, ["--resume"], r"no checkpoint to resume from at .*checkpoint.pt"),
+    ],
+)
+def test_launch_errors_name_the_problem(tmp_path, text_file, monkeypatch, capsys, env, extra, message):
+    import re
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert train.main(argv(text_file, tmp_path / "run", *extra)) == 1
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_fsdp_rejects_fp16(tmp_path, text_file, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(text_file, tmp_path / "run", "--parallel", "fsdp", "--dtype", "fp16"))
+    assert e.value.code == 2
+    assert "--parallel fsdp supports --dtype bf16 or fp32" in capsys.readouterr().err

@@ -1,0 +1,69 @@
+import torch
+
+from model import ModelConfig, TransformerLM
+from tests.ranks import single_rank_group
+from training import checkpoint, consolidate, distributed, sharded_checkpoint
+
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16, attn="naive")
+
+
+def adamw(model) -> torch.optim.AdamW:
+    """Two parameter groups, as train.py makes them, so the index mapping crosses a group boundary."""
+    params = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+
+
+def write_sharded(tmp_path, steps: int = 2):
+    """An FSDP checkpoint after `steps` steps; returns its directory, full weights and full first moments."""
+    path = tmp_path / sharded_checkpoint.DCP_DIR_NAME
+    with single_rank_group() as ctx:
+        torch.manual_seed(0)
+        model = TransformerLM(CFG)
+        distributed.wrap_model(model, ctx, torch.float32)
+        optimizer = adamw(model)
+        for _ in range(steps):
+            model(torch.randint(0, CFG.vocab_size, (2, 16))).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        extras = {"step": steps, "model_config": CFG.to_dict(), "rng": checkpoint.rng_state()}
+        sharded_checkpoint.save(path, model, optimizer, extras, ctx)
+        names = {id(p): n for n, p in model.named_parameters()}
+        weights = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        moments = {names[id(p)]: s["exp_avg"].full_tensor().clone() for p, s in optimizer.state.items()}
+    return path, weights, moments
+
+
+def test_consolidated_file_loads_into_one_process(tmp_path):
+    path, weights, moments = write_sharded(tmp_path)
+    consolidate.consolidate(path, tmp_path / "full.pt")  # no process group from here on
+    loaded = checkpoint.load(tmp_path / "full.pt")
+    assert loaded["step"] == 2 and loaded["model_config"] == CFG.to_dict()
+    model = TransformerLM(ModelConfig(**loaded["model_config"]))
+    model.load_state_dict(loaded["model"])  # strict: the same names
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
+    optimizer = adamw(model)
+    optimizer.load_state_dict(loaded["optimizer"])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], moments[name], rtol=0, atol=0)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+def test_cli_model_only_and_missing_directory(tmp_path, capsys):
+    path, weights, _ = write_sharded(tmp_path, steps=1)
+    assert consolidate.main([str(path), str(tmp_path / "w.pt"), "--model-only"]) == 0
+    n = sum(w.numel() for w in weights.values())
+    assert f"step 1, {n / 1e6:.1f}M parameters" in capsys.readouterr().out
+    loaded = checkpoint.load(tmp_path / "w.pt")
+    assert "optimizer" not in loaded and loaded["model"].keys() == weights.keys()
+    assert consolidate.main([str(tmp_path / "nope"), str(tmp_path / "x.pt")]) == 1
+    assert "no sharded checkpoint to resume from at" in capsys.readouterr().err
+
+
+def test_optimizer_state_is_reindexed_by_position_over_groups():
+    state = {"state": {"b": {"exp_avg": 2}, "a": {"exp_avg": 1}, "c": {"exp_avg": 3}},
+             "param_groups": [{"lr": 1.0, "params": ["a", "b"]}, {"lr": 2.0, "params": ["c"]}]}
+    assert consolidate.optimizer_state_by_index(state) == {
+        "state": {1: {"exp_avg": 2}, 0: {"exp_avg": 1}, 2: {"exp_avg": 3}},
+        "param_groups": [{"lr": 1.0, "params": [0, 1]}, {"lr": 2.0, "params": [2]}]}
