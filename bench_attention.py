@@ -33,6 +33,7 @@ from benchmarking.attention_memory import explain_backend, explain_header
 from benchmarking.attention_point import DTYPES, AttentionInputs, AttentionPoint, make_inputs
 from benchmarking.attention_reference import RELATIVE_TOLERANCE, Reference, reference
 from benchmarking.environment import describe, environment_info
+from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_message
 from benchmarking.timing import to_mib
 
@@ -121,13 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_attention.py",
         description="Time and memory of each attention backend at each size; see the module docstring.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep; explicit flags override its fields")
     p.add_argument("--backends", type=_names, help="comma-separated registry names (default: all that can run here)")
     p.add_argument("--baseline", help="backend the *_ratio columns divide by (default: naive)")
-    p.add_argument("--batch", type=_positive_int)
-    p.add_argument("--heads", type=_positive_int)
+    p.add_argument("--batch", type=_positive_int, help="batch size (default: 1)")
+    p.add_argument("--heads", type=_positive_int, help="attention heads (default: 8)")
     p.add_argument("--seq-lens", type=_positive_ints, help="comma-separated, e.g. 256,1024,4096")
     p.add_argument("--d-heads", type=_positive_ints, help="comma-separated, e.g. 16,32,64,128")
     p.add_argument("--dtype", "--dtypes", dest="dtypes", type=_dtypes,
@@ -290,14 +291,23 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
     return rows, saved_by_backend
 
 
-def run_sweep(cfg: Config) -> list[dict[str, Any]]:
+def run_sweep(cfg: Config, environment: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], bool]:
+    """(rows, complete). Ctrl-C or SIGTERM ends the sweep early with the rows measured so far; results.csv
+    and results.json are rewritten after every point, so even a hard kill leaves the finished points."""
     points = cfg.points()
+    total = len(points) * len(cfg.backends)
     rows: list[dict[str, Any]] = []
-    with tqdm(total=len(points) * len(cfg.backends), desc="bench_attention", unit="run", file=sys.stderr) as bar:
-        for point in points:
-            point_rows, _ = run_point(point, cfg, bar)
-            rows.extend(point_rows)
-    return rows
+    try:
+        with sigterm_as_interrupt(), tqdm(total=total, desc="bench_attention", unit="run", file=sys.stderr) as bar:
+            for point in points:
+                point_rows, _ = run_point(point, cfg, bar)
+                rows.extend(point_rows)
+                report.write_csv(rows, cfg.out / "results.csv", COLUMNS)
+                report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict())
+    except KeyboardInterrupt:
+        note_interrupted(len(rows), total)
+        return rows, False
+    return rows, True
 
 
 # --- output ----------------------------------------------------------------------------------------------
@@ -445,6 +455,7 @@ class BenchResult:
     environment: dict[str, Any]
     files: dict[str, Path] = field(default_factory=dict)
     explanation: Optional[str] = None
+    complete: bool = True  # False when Ctrl-C or SIGTERM stopped the sweep early
 
 
 def _backend_listing() -> str:
@@ -470,16 +481,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
         print(text)
         return BenchResult(rows, cfg, environment, explanation=text)
 
-    rows = run_sweep(cfg)
+    rows, complete = run_sweep(cfg, environment)
     files = write_outputs(rows, cfg, environment)
     bad = [r for r in rows if r["status"] == "error" or r["check"] == "FAIL"]
-    print(f"wrote {len(rows)} rows to {cfg.out}/ (results.md, results.csv, results.json"
+    print(f"wrote {len(rows)} rows{'' if complete else ' (sweep stopped early)'} to {cfg.out}/ (results.md, results.csv, results.json"
           f"{', plots' if cfg.plots else ''})", file=sys.stderr)
     for r in bad:
         print(f"  {r['backend']} at seq={r['seq']} d={r['d_head']} {r['dtype']}: "
               f"{r['status'] if r['status'] == 'error' else 'FAIL, rel_err ' + format(r['rel_err'], '.3g')}"
               f" {r['note'] or ''}", file=sys.stderr)
-    return BenchResult(rows, cfg, environment, files)
+    return BenchResult(rows, cfg, environment, files, complete=complete)
 
 
 def cli() -> int:
@@ -487,6 +498,8 @@ def cli() -> int:
     result = main()
     if result is None:
         return 0
+    if not result.complete:
+        return 130
     return int(any(r["status"] == "error" or r["check"] == "FAIL" for r in result.rows))
 
 

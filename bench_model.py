@@ -27,6 +27,7 @@ from tqdm import tqdm
 from attention import UnsupportedInputError, backend_names, list_attention
 from benchmarking import report
 from benchmarking.environment import describe, environment_info
+from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.model_memory import explain_memory, format_breakdown, measure_saved_bytes, param_count
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
 from benchmarking.timing import peak_allocated_bytes, reset_peak_memory, summarize, synchronize
@@ -541,12 +542,19 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         env = environment_info(args.device)
         tqdm.write(f"bench_model: {len(points)} configurations on {describe(env)}")
         rows = []
-        bar = tqdm(points, desc="bench_model", unit="config", disable=args.no_progress, dynamic_ncols=True)
-        for point in bar:
-            bar.set_postfix_str(point.label)
-            row = measure(point, args, single=len(points) == 1)
-            rows.append(row)
-            tqdm.write(_summary_line(row, point))
+        try:  # Ctrl-C or SIGTERM (a time limit) ends the sweep early; the rows so far are still written
+            with sigterm_as_interrupt():
+                bar = tqdm(points, desc="bench_model", unit="config", disable=args.no_progress, dynamic_ncols=True)
+                for point in bar:
+                    bar.set_postfix_str(point.label)
+                    row = measure(point, args, single=len(points) == 1)
+                    rows.append(row)
+                    tqdm.write(_summary_line(row, point))
+                    report.write_csv(rows, Path(args.out) / "results.csv", columns=list(COLUMNS))
+            interrupted = False
+        except KeyboardInterrupt:
+            note_interrupted(len(rows), len(points))
+            interrupted = True
         paths = write_outputs(rows, args, env)
         if args.wandb:
             images = {name: p for name, p in paths.items() if name.endswith(".png")}
@@ -554,6 +562,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
                              images=images, config=run_config(args),
                              environment=env, directory=Path(args.out))
         tqdm.write(f"wrote {', '.join(str(p) for p in paths.values())}")
+        if interrupted:
+            raise SystemExit(130)  # the files hold the rows so far; the status says the sweep is incomplete
         return rows
     finally:
         nvtx.enable(False)

@@ -281,8 +281,13 @@ _AUTOTUNE_KEY = ["N_Q", "N_K", "D", "CAUSAL"]  # triton adds the tensors' dtypes
 
 
 @functools.cache
+@functools.cache
 def _autotuned(kernel: str):
-    """The kernel wrapped in triton.autotune, built on first GPU use (so importing needs no GPU)."""
+    """The kernel wrapped in triton.autotune, built once, on first GPU use (so importing needs no GPU).
+
+    Built once, not per launch: a fresh Autotuner has an empty in-memory cache, so every launch would look
+    the config up on disk again (hashing, a file read), milliseconds of host time per attention call.
+    """
     configs = [
         triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps, num_stages=t.num_stages)
         for t in SEARCH_SPACES[kernel]

@@ -224,6 +224,14 @@ def test_tile_configs_keep_the_causal_band_whole_tiles():
                 assert big % small == 0 and small >= 16, f"{kernel} {t}"
 
 
+def test_autotuner_is_built_once_per_kernel():
+    """A new Autotuner per launch would re-read its disk cache every call (host time on each attention call)."""
+    pytest.importorskip("triton")
+    for kernel in ("fwd", "dkdv", "dq"):
+        assert flash_triton._autotuned(kernel) is flash_triton._autotuned(kernel)
+    assert flash_triton._autotuned("fwd") is not flash_triton._autotuned("dq")
+
+
 def test_autotune_pruning_respects_shared_memory_and_seq(monkeypatch):
     triton = pytest.importorskip("triton")
     monkeypatch.setattr(flash_triton, "_smem_limit", lambda device_index: 227 * 1024)
