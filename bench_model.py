@@ -6,6 +6,10 @@ result, not a crash. Writes results.md / results.csv / results.json / PNG plots 
 
     python bench_model.py --sizes small,medium --context-lengths 128,256,512,1024 --dtype fp32,bf16 \\
         --mode forward-backward
+
+On several GPUs (weak scaling: --batch-size sequences per GPU), with scaling efficiency against one GPU:
+
+    torchrun --standalone --nproc-per-node 2 bench_model.py --parallel ddp --sizes large --dtype bf16 --mode train-step
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,8 @@ from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
 from profiling.memory_snapshot import VIEWER_URL, record_memory_history, snapshot_unavailable
 from profiling.torch_profile import kernel_markdown, profile_steps
+from training import distributed
+from training.distributed import DistContext, DistributedError
 from training.metrics import mfu
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16 = autocast over fp32 master weights
@@ -68,6 +74,19 @@ COLUMNS: dict[str, str] = {
     "message": "why a row has no figures (OOM / unsupported / error text)",
 }
 
+# Added after COLUMNS under --parallel ddp|fsdp (a --parallel none run writes exactly COLUMNS).
+PARALLEL_COLUMNS: dict[str, str] = {
+    "parallel": "ddp or fsdp; batch_size is then per GPU, the phase times and peak memory the largest over ranks",
+    "world_size": "ranks (GPUs) N",
+    "tokens_per_s_1gpu": "tokens/s of the plain model on rank 0 alone, same per-GPU batch (the baseline)",
+    "scaling_efficiency": "tokens_per_s / (world_size * tokens_per_s_1gpu); 1.0 = perfect weak scaling",
+}
+
+
+def columns_for(args: argparse.Namespace) -> list[str]:
+    """The columns of this run's results.csv / results.json."""
+    return list(COLUMNS) + (list(PARALLEL_COLUMNS) if args.parallel != "none" else [])
+
 
 # --- arguments -------------------------------------------------------------------------------------------
 
@@ -88,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=int, default=10_000, help="vocabulary (default 10000)")
     m.add_argument("--context-lengths", nargs="+", default=["128,256,512,1024"],
                    help="context lengths, comma list (default 128,256,512,1024)")
-    m.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    m.add_argument("--batch-size", type=int, default=4,
+                   help="sequences per step (default 4); with --parallel, per GPU (weak scaling: each rank gets "
+                        "--batch-size sequences, the global batch is N x --batch-size)")
     m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends, comma list (default sdpa)")
     m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast), comma list")
     m.add_argument("--compile", nargs="?", const="on", default="off", choices=["on", "off", "both"],
@@ -100,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed for init and the random tokens")
     m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default cuda if available, else cpu)")
+    d = p.add_argument_group("several GPUs (launch with torchrun)")
+    d.add_argument("--parallel", choices=distributed.PARALLEL_MODES, default="none",
+                   help="none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, after "
+                        "a one-GPU baseline on rank 0, and rows report scaling efficiency")
+    d.add_argument("--dist-timeout", type=float, default=1800,
+                   help="seconds a rank waits at a collective (the other ranks wait out rank 0's baseline) "
+                        "(default 1800)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="runs/bench_model", help="directory for results.md/.csv/.json and plots")
     o.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
@@ -216,6 +244,18 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         reason = snapshot_unavailable(device)
         if reason:
             p.error(reason)
+    args.world_size = 1
+    if args.parallel != "none":
+        for flag, value in (("--profile", args.profile), ("--memory-snapshot", args.memory_snapshot),
+                            ("--explain-memory", args.explain_memory)):
+            if value:
+                p.error(f"{flag} is for one device; drop --parallel (profile the one-GPU configuration)")
+        if args.dist_timeout <= 0:
+            p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+        try:
+            _, args.world_size, _ = distributed.launch_env(args.parallel, script="bench_model.py")
+        except DistributedError as e:
+            p.error(str(e))
     return args
 
 
@@ -223,7 +263,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = check_args(p, p.parse_args(argv))
-    args.command = shlex.join(["python", "bench_model.py", *argv])  # recorded in results.md
+    launcher = ["python"] if args.parallel == "none" else ["torchrun", "--nproc-per-node", str(args.world_size)]
+    args.command = shlex.join([*launcher, "bench_model.py", *argv])  # recorded in results.md
     return args
 
 
@@ -314,14 +355,20 @@ class Runner:
         return times
 
 
-def build_runner(point: Point, device: torch.device) -> Runner:
-    """The model on `device` (built there: no CPU init of a 2.7B model), compiled if asked, and its optimizer."""
+def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] = None) -> Runner:
+    """The model on `device` (built there: no CPU init of a 2.7B model), compiled if asked, and its optimizer.
+
+    With a distributed `ctx` the model is wrapped (DDP / FSDP2, as train.py) before compiling and before the
+    optimizer is built (FSDP replaces the parameters by their shards).
+    """
     with device:
         model = TransformerLM(point.cfg)
     step_model: Callable[[torch.Tensor], torch.Tensor] = model
+    if ctx is not None and ctx.is_distributed:
+        step_model = distributed.wrap_model(model, ctx, DTYPES[point.dtype])
     if point.compile:
         torch._dynamo.reset()  # fresh caches: no recompile limit or automatic-dynamic shapes across points
-        step_model = torch.compile(model, dynamic=False)
+        step_model = torch.compile(step_model, dynamic=False)
     optimizer = None
     if point.mode == "train-step":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -347,6 +394,8 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
                n_heads=cfg.n_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
                batch_size=point.batch_size, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
                mode=point.mode, warmup=args.warmup, steps=args.steps)
+    if args.parallel != "none":
+        row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
     return row
 
 
@@ -359,12 +408,25 @@ def _output_path(base: Path, point: Point, single: bool, suffix: str = "") -> Pa
     return base / point.slug
 
 
-def run_point(point: Point, args: argparse.Namespace, single: bool) -> dict[str, Any]:
-    """Warm up, time `--steps` steps, then (as asked) profile, snapshot and explain memory. Returns the figures."""
+def throughput(point: Point, total_ms: float, device: torch.device, n_devices: int = 1) -> dict[str, Any]:
+    """tokens_per_s and mfu of `n_devices` devices, each running `point.batch_size` sequences in `total_ms`."""
+    tokens_per_s = n_devices * point.batch_size * point.context_length / (total_ms / 1e3)
+    util = mfu(point.cfg, tokens_per_s, device, context_length=point.context_length, n_devices=n_devices)
+    # flops_per_token counts forward + backward (6N); a forward alone does a third of it.
+    return {"tokens_per_s": tokens_per_s,
+            "mfu": None if util is None else (util / 3 if point.mode == "forward" else util)}
+
+
+def run_point(point: Point, args: argparse.Namespace, single: bool,
+              ctx: Optional[DistContext] = None) -> dict[str, Any]:
+    """Warm up, time `--steps` steps, then (as asked) profile, snapshot and explain memory. Returns the figures.
+
+    With a distributed `ctx`, this rank's figures for the wrapped model on its own random batch.
+    """
     device = args.device
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    runner = build_runner(point, device)
+    torch.manual_seed(args.seed)  # the same weights on every rank
+    generator = torch.Generator().manual_seed(args.seed + (ctx.rank if ctx else 0))  # each rank its own tokens
+    runner = build_runner(point, device, ctx)
     ids, targets = random_batch(point, device, generator)
 
     with nvtx.range("warmup"):
@@ -382,11 +444,7 @@ def run_point(point: Point, args: argparse.Namespace, single: bool) -> dict[str,
     for phase, times in per_phase.items():
         stats = summarize(times)
         figures[f"{phase}_ms_mean"], figures[f"{phase}_ms_std"] = stats.mean_ms, stats.std_ms
-    tokens_per_s = point.batch_size * point.context_length / (figures["total_ms_mean"] / 1e3)
-    figures["tokens_per_s"] = tokens_per_s
-    util = mfu(point.cfg, tokens_per_s, device, context_length=point.context_length)
-    # flops_per_token counts forward + backward (6N); a forward alone does a third of it.
-    figures["mfu"] = None if util is None else (util / 3 if point.mode == "forward" else util)
+    figures.update(throughput(point, figures["total_ms_mean"], device))
     figures["peak_mem_gib"] = None if peak is None else peak / GIB
 
     if args.profile:
@@ -428,7 +486,7 @@ def explain_point(point: Point, runner: Runner, ids: torch.Tensor, targets: torc
     return format_breakdown(breakdown, measured)
 
 
-def measure(point: Point, args: argparse.Namespace, single: bool) -> dict[str, Any]:
+def measure(point: Point, args: argparse.Namespace, single: bool, ctx: Optional[DistContext] = None) -> dict[str, Any]:
     """The row of one configuration: its figures, or OOM / unsupported / error with the reason."""
     row = base_row(point, args)
     unavailable = {s.name: s.reason for s in list_attention() if not s.available}
@@ -436,7 +494,7 @@ def measure(point: Point, args: argparse.Namespace, single: bool) -> dict[str, A
         row.update(status="unsupported", message=unavailable[point.cfg.attn])
         return row
     try:
-        outcome = call_catching_oom(lambda: run_point(point, args, single), label=point.label)
+        outcome = call_catching_oom(lambda: run_point(point, args, single, ctx), label=point.label)
     except UnsupportedInputError as e:
         row.update(status="unsupported", message=str(e))
     except Exception as e:  # noqa: BLE001 -- one broken configuration must not lose the rest of a long sweep
@@ -448,6 +506,38 @@ def measure(point: Point, args: argparse.Namespace, single: bool) -> dict[str, A
             row.update(outcome.value)
     free_memory()
     return row
+
+
+def measure_parallel(point: Point, args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
+    """One configuration under --parallel: rank 0 alone with the plain model (the one-GPU baseline), then every
+    rank with the wrapped model. Every rank must call it; the row is complete on rank 0."""
+    baseline = None
+    if ctx.is_main:  # the other ranks wait at the barrier meanwhile
+        baseline = measure(point, replace_parallel(args), single=False)
+    distributed.barrier(ctx)
+    row = measure(point, args, single=False, ctx=ctx)
+    # Every rank takes the same branch, so the collectives below match up.
+    if distributed.any_rank(row["status"] != "ok", ctx):
+        if row["status"] == "ok":
+            row.update({k: None for k in COLUMNS if k.endswith(("_mean", "_std"))}, tokens_per_s=None, mfu=None,
+                       peak_mem_gib=None, status="error", message="failed on another rank (see its output)")
+        return row
+    # The ranks step in lockstep through the collectives; the slowest rank's figures bound the throughput.
+    figures = {k: v for k, v in row.items() if k.endswith(("_mean", "_std")) or k == "peak_mem_gib"}
+    row.update(distributed.max_over_ranks({k: v for k, v in figures.items() if v is not None}, ctx))
+    row.update(throughput(point, row["total_ms_mean"], args.device, n_devices=ctx.world_size))
+    if baseline is not None:
+        if baseline["status"] == "ok":
+            row["tokens_per_s_1gpu"] = baseline["tokens_per_s"]
+            row["scaling_efficiency"] = row["tokens_per_s"] / (ctx.world_size * baseline["tokens_per_s"])
+        else:  # e.g. OOM on one GPU, the case FSDP is for: the row keeps its N-GPU figures
+            row["message"] = f"1-GPU baseline {baseline['status']}: {baseline.get('message') or ''}"
+    return row
+
+
+def replace_parallel(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` for the one-device baseline: --parallel none."""
+    return argparse.Namespace(**{**vars(args), "parallel": "none", "world_size": 1})
 
 
 # --- output ----------------------------------------------------------------------------------------------
@@ -475,7 +565,8 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
         f"`{args.command}`",
-        f"Batch {args.batch_size}, vocab {args.vocab_size}, {args.warmup} warm-up + {args.steps} timed steps per "
+        f"Batch {args.batch_size}{' per GPU' if args.parallel != 'none' else ''}, vocab {args.vocab_size}, "
+        f"{args.warmup} warm-up + {args.steps} timed steps per "
         f"configuration, random tokens; {describe(env)}. Times are mean ± sample std, each phase synchronised.",
         report.markdown_table(shown, columns, formats={"params_m": ".1f", "tokens_per_s": ".0f", "mfu_pct": ".1f",
                                                         "peak_mem_gib": ".2f"}),
@@ -488,6 +579,15 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
             blocks.append(f"## Peak memory GiB, {key}")
             blocks.append(report.pivot_markdown(group, "size", "context_length",
                                                 report.value_or_status("peak_mem_gib", ".2f"), column_label="T"))
+    if args.parallel != "none":
+        blocks.append(f"## Scaling, {args.parallel} over {args.world_size} GPUs")
+        blocks.append(f"Batch {args.batch_size} per GPU (weak scaling); efficiency = tokens/s on {args.world_size} "
+                      f"GPUs / ({args.world_size} x tokens/s of the plain model on one GPU).")
+        scaling = [{**r, "config": f"{r['size']} T={r['context_length']} {_variant(r)}"} for r in rows]
+        blocks.append(report.markdown_table(
+            scaling, {"config": "config", "world_size": "world size", "tokens_per_s_1gpu": "tokens/s 1 GPU",
+                      "tokens_per_s": f"tokens/s {args.world_size} GPUs", "scaling_efficiency": "efficiency"},
+            formats={"tokens_per_s_1gpu": ".0f", "tokens_per_s": ".0f", "scaling_efficiency": ".3f"}))
     explained = [r["explanation"] for r in rows if r.get("explanation")]
     if explained:
         blocks.append("## Memory accounting (--explain-memory)")
@@ -510,11 +610,12 @@ def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace, env: dic
     """results.md, results.csv, results.json and the PNG plots in --out; returns name -> path."""
     out = Path(args.out)
     config = run_config(args)
+    columns = columns_for(args)
     paths = {
         "results.md": report.write_markdown(out / "results.md", "Model benchmark", results_markdown(rows, args, env),
                                             environment=env),
-        "results.csv": report.write_csv(rows, out / "results.csv", columns=list(COLUMNS)),
-        "results.json": report.write_json([{k: r.get(k) for k in COLUMNS} for r in rows], out / "results.json",
+        "results.csv": report.write_csv(rows, out / "results.csv", columns=columns),
+        "results.json": report.write_json([{k: r.get(k) for k in columns} for r in rows], out / "results.json",
                                           environment=env, config=config),
     }
     plot_rows = [{**r, "variant": _variant(r).rsplit(" ", 1)[0]} for r in rows]
@@ -537,36 +638,68 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     """Run the sweep described by `argv`; returns one row per configuration (also written to --out)."""
     args = parse_args(argv)
     nvtx.enable(args.nvtx)
+    ranks = contextlib.ExitStack()
     try:
+        ctx = ranks.enter_context(join_ranks(args))
+        say = tqdm.write if ctx.is_main else _quiet  # rank 0 alone prints and writes files
         points = sweep_points(args)
         env = environment_info(args.device)
-        tqdm.write(f"bench_model: {len(points)} configurations on {describe(env)}")
+        say(f"bench_model: {len(points)} configurations on {describe(env)}"
+            f"{f', {args.parallel} over {ctx.world_size} ranks' if ctx.is_distributed else ''}")
         rows = []
         try:  # Ctrl-C or SIGTERM (a time limit) ends the sweep early; the rows so far are still written
             with sigterm_as_interrupt():
-                bar = tqdm(points, desc="bench_model", unit="config", disable=args.no_progress, dynamic_ncols=True)
+                bar = tqdm(points, desc="bench_model", unit="config", disable=args.no_progress or not ctx.is_main,
+                           dynamic_ncols=True)
                 for point in bar:
                     bar.set_postfix_str(point.label)
-                    row = measure(point, args, single=len(points) == 1)
+                    row = (measure_parallel(point, args, ctx) if ctx.is_distributed
+                           else measure(point, args, single=len(points) == 1))
                     rows.append(row)
-                    tqdm.write(_summary_line(row, point))
-                    report.write_csv(rows, Path(args.out) / "results.csv", columns=list(COLUMNS))
+                    say(_summary_line(row, point))
+                    if ctx.is_main:
+                        report.write_csv(rows, Path(args.out) / "results.csv", columns=columns_for(args))
             interrupted = False
         except KeyboardInterrupt:
             note_interrupted(len(rows), len(points))
             interrupted = True
-        paths = write_outputs(rows, args, env)
-        if args.wandb:
-            images = {name: p for name, p in paths.items() if name.endswith(".png")}
-            report.log_wandb(rows, mode=args.wandb, project=args.wandb_project, run_name="bench_model",
-                             images=images, config=run_config(args),
-                             environment=env, directory=Path(args.out))
-        tqdm.write(f"wrote {', '.join(str(p) for p in paths.values())}")
+        if ctx.is_main:
+            paths = write_outputs(rows, args, env)
+            if args.wandb:
+                images = {name: p for name, p in paths.items() if name.endswith(".png")}
+                report.log_wandb(rows, mode=args.wandb, project=args.wandb_project, run_name="bench_model",
+                                 images=images, config=run_config(args),
+                                 environment=env, directory=Path(args.out))
+            say(f"wrote {', '.join(str(p) for p in paths.values())}")
         if interrupted:
             raise SystemExit(130)  # the files hold the rows so far; the status says the sweep is incomplete
         return rows
     finally:
+        ranks.close()
         nvtx.enable(False)
+
+
+@contextlib.contextmanager
+def join_ranks(args: argparse.Namespace) -> Iterator[DistContext]:
+    """One process (--parallel none), or this rank in torchrun's group; args.device becomes the rank's device."""
+    if args.parallel == "none":
+        yield DistContext(device=args.device)
+        return
+    try:
+        ctx = distributed.init(args.parallel, str(args.device), args.batch_size * args.world_size, args.dist_timeout,
+                               script="bench_model.py")
+    except DistributedError as e:
+        print(f"{distributed.error_prefix(args.parallel)}error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    args.device = ctx.device
+    try:
+        yield ctx
+    finally:
+        distributed.shutdown(ctx)
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """tqdm.write of ranks other than 0."""
 
 
 def _summary_line(row: dict[str, Any], point: Point) -> str:
@@ -579,6 +712,8 @@ def _summary_line(row: dict[str, Any], point: Point) -> str:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     if row.get("peak_mem_gib") is not None:
         parts.append(f"peak {row['peak_mem_gib']:.2f} GiB")
+    if row.get("scaling_efficiency") is not None:
+        parts.append(f"scaling efficiency {row['scaling_efficiency']:.2f} vs 1 GPU")
     return f"{point.label}: " + ", ".join(parts)
 
 

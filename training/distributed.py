@@ -47,13 +47,13 @@ class DistContext:
         return self.parallel != "none"
 
 
-def launch_env(parallel: str, env: Mapping[str, str] = os.environ) -> tuple[int, int, int]:
+def launch_env(parallel: str, env: Mapping[str, str] = os.environ, script: str = "train.py") -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's variables; an error naming the launcher when they are missing."""
     missing = [k for k in TORCHRUN_ENV if k not in env]
     if missing:
         raise DistributedError(
             f"--parallel {parallel} needs the process variables torchrun sets ({', '.join(missing)} missing); "
-            f"launch with `torchrun --nproc-per-node N train.py --parallel {parallel} ...`, or drop --parallel "
+            f"launch with `torchrun --nproc-per-node N {script} --parallel {parallel} ...`, or drop --parallel "
             "to train in one process")
     rank, world, local = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if not 0 <= rank < world:
@@ -91,13 +91,16 @@ def check_backend(device: torch.device) -> str:
     raise DistributedError(f"--parallel supports cuda (nccl) and cpu (gloo) devices, not {device.type!r}")
 
 
-def init(parallel: str, device_arg: str, global_batch: int, timeout_s: float) -> DistContext:
-    """Join the process group torchrun set up; one process with no group when parallel is 'none'."""
+def init(parallel: str, device_arg: str, global_batch: int, timeout_s: float, script: str = "train.py") -> DistContext:
+    """Join the process group torchrun set up; one process with no group when parallel is 'none'.
+
+    `script` is the program named in the launch error (train.py, bench_model.py).
+    """
     if parallel not in PARALLEL_MODES:
         raise DistributedError(f"unknown --parallel {parallel!r}; valid: {', '.join(PARALLEL_MODES)}")
     if parallel == "none":
         return DistContext(device=torch.device(device_arg))
-    rank, world, _ = launch_env(parallel)
+    rank, world, _ = launch_env(parallel, script=script)
     # Checked before joining the group: every rank fails the same way, so none waits for the others.
     if global_batch % world:
         raise DistributedError(f"--batch-size {global_batch} (the global batch) is not divisible by the world size "
@@ -119,9 +122,10 @@ def shutdown(ctx: DistContext) -> None:
 
 
 @contextmanager
-def session(parallel: str, device_arg: str, global_batch: int, timeout_s: float) -> Iterator[DistContext]:
+def session(parallel: str, device_arg: str, global_batch: int, timeout_s: float,
+            script: str = "train.py") -> Iterator[DistContext]:
     """init() ... shutdown(), the latter also when training raises."""
-    ctx = init(parallel, device_arg, global_batch, timeout_s)
+    ctx = init(parallel, device_arg, global_batch, timeout_s, script)
     try:
         yield ctx
     finally:
