@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from attention import UnsupportedInputError, backend_names, list_attention
 from benchmarking import report
 from benchmarking.environment import describe, environment_info
+from benchmarking.hf_llama import HFLlama
 from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.model_memory import explain_memory, format_breakdown, measure_saved_bytes, param_count
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
@@ -40,10 +40,12 @@ from profiling import nvtx
 from profiling.memory_snapshot import VIEWER_URL, record_memory_history, snapshot_unavailable
 from profiling.torch_profile import kernel_markdown, profile_steps
 from training import distributed
+from training.compilation import COMPILE_SCOPES, compile_regions
 from training.distributed import DistContext, DistributedError
 from training.metrics import mfu
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16 = autocast over fp32 master weights
+IMPLS = ("ours", "hf")
 MODES = ("forward", "forward-backward", "train-step")
 PHASES = ("forward", "backward", "optimizer", "total")
 GIB = 1024**3
@@ -59,9 +61,10 @@ COLUMNS: dict[str, str] = {
     "vocab_size": "vocabulary",
     "context_length": "tokens per sequence T",
     "batch_size": "sequences per step B",
+    "impl": "ours (TransformerLM) or hf (the peer: transformers' LlamaForCausalLM, same sizes, SDPA attention)",
     "attn": "attention backend",
     "dtype": "fp32, or bf16 autocast with fp32 master weights",
-    "compile": "torch.compile on the model",
+    "compile": "torch.compile on the model: per block and LM head + loss (--compile-scope blocks) or whole model",
     "mode": "forward (no grad), forward-backward, or train-step (forward + backward + AdamW)",
     "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
     **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
@@ -112,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--batch-size sequences, the global batch is N x --batch-size)")
     m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends, comma list (default sdpa)")
     m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast), comma list")
+    m.add_argument("--impl", nargs="+", default=["ours"],
+                   help=f"{', '.join(IMPLS)}; comma list (default ours). hf is the peer, transformers' Llama "
+                        "(needs transformers): same sizes, step, optimizer and tokens, timed in the same run")
     m.add_argument("--compile", nargs="?", const="on", default="off", choices=["on", "off", "both"],
                    help="torch.compile the model: on, off (default) or both; a bare --compile means on")
+    m.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
+                   help="what --compile compiles: blocks (default: each block, reusing one graph, and the LM head "
+                        "with the loss, as torchtitan) or model (the whole model as one graph)")
     m.add_argument("--mode", nargs="+", default=["forward-backward"],
                    help=f"{', '.join(MODES)}; comma list (default forward-backward)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -159,6 +168,8 @@ class Point:
     dtype: str
     compile: bool
     mode: str
+    compile_scope: str = "blocks"  # what compile compiles: training.compilation.COMPILE_SCOPES
+    impl: str = "ours"  # ours, or hf: the Hugging Face peer (whole-model compile, its own SDPA attention)
 
     @property
     def context_length(self) -> int:
@@ -166,8 +177,9 @@ class Point:
 
     @property
     def label(self) -> str:
-        return (f"{self.size} T={self.context_length} B={self.batch_size} {self.cfg.attn} {self.dtype} "
-                f"compile={'on' if self.compile else 'off'} {self.mode}")
+        who = "hf-llama" if self.impl == "hf" else self.cfg.attn
+        return (f"{self.size} T={self.context_length} B={self.batch_size} {who} {self.dtype} "
+                f"compile={self.compile_scope if self.compile else 'off'} {self.mode}")
 
     @property
     def slug(self) -> str:
@@ -203,6 +215,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     args.attn = _choices(p, "--attn", _split(args.attn), backend_names(), "attention backend")
     args.dtype = _choices(p, "--dtype", _split(args.dtype), list(DTYPES), "dtype")
     args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
+    args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
+    if "hf" in args.impl:
+        if args.parallel != "none":
+            p.error("--impl hf is the one-GPU peer; drop --parallel")
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error("--impl hf needs transformers: pip install transformers")
     for flag, value, least in (("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
                                ("--warmup", args.warmup, 0), ("--vocab-size", args.vocab_size, 1),
                                ("--profile-steps", args.profile_steps, 1), ("--snapshot-steps", args.snapshot_steps, 1)):
@@ -279,9 +299,12 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 def sweep_points(args: argparse.Namespace) -> list[Point]:
     """Every configuration, in the order they run: size, backend, dtype, compile, context, mode."""
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    # The peer has its own attention (SDPA) and is compiled whole, as a user would: one row per other setting.
+    variants = [("ours", attn) for attn in args.attn if "ours" in args.impl] + [("hf", "sdpa")] * ("hf" in args.impl)
     return [
-        Point(size, replace(args.configs[size], attn=attn, context_length=t), args.batch_size, dtype, comp, mode)
-        for size in args.sizes for attn in args.attn for dtype in args.dtype for comp in compiles
+        Point(size, replace(args.configs[size], attn=attn, context_length=t), args.batch_size, dtype, comp, mode,
+              "model" if impl == "hf" else args.compile_scope, impl)
+        for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
         for t in args.context_lengths for mode in args.mode
     ]
 
@@ -308,8 +331,8 @@ class Runner:
     """
 
     point: Point
-    model: TransformerLM
-    step_model: Callable[[torch.Tensor], torch.Tensor]
+    model: torch.nn.Module  # TransformerLM, or HFLlama for the peer
+    step_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, targets) -> loss
     optimizer: Optional[torch.optim.Optimizer]
     device: torch.device
     annotate: bool = False  # add torch.profiler labels to the phases
@@ -319,10 +342,9 @@ class Runner:
         return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy on the logits; as train.py, the loss itself runs in fp32 outside autocast."""
+        """Mean cross-entropy in fp32, computed inside the model (and its compiled code), as train.py's lm_loss."""
         with self.autocast():
-            logits = self.step_model(ids)  # (batch, seq, vocab)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return self.step_model(ids, targets)
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """One step of the point's mode; returns each phase's time in ms, synchronised at each boundary."""
@@ -358,16 +380,20 @@ class Runner:
 def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] = None) -> Runner:
     """The model on `device` (built there: no CPU init of a 2.7B model), compiled if asked, and its optimizer.
 
-    With a distributed `ctx` the model is wrapped (DDP / FSDP2, as train.py) before compiling and before the
-    optimizer is built (FSDP replaces the parameters by their shards).
+    As train.py: compile scope blocks compiles the blocks and the loss in place before a distributed `ctx` wraps the
+    model (DDP / FSDP2), scope model compiles the wrapped model; the optimizer comes last (FSDP replaces the
+    parameters by their shards).
     """
     with device:
-        model = TransformerLM(point.cfg)
-    step_model: Callable[[torch.Tensor], torch.Tensor] = model
-    if ctx is not None and ctx.is_distributed:
-        step_model = distributed.wrap_model(model, ctx, DTYPES[point.dtype])
+        model = HFLlama(point.cfg) if point.impl == "hf" else TransformerLM(point.cfg)
     if point.compile:
         torch._dynamo.reset()  # fresh caches: no recompile limit or automatic-dynamic shapes across points
+        if point.compile_scope == "blocks" and point.impl == "ours":
+            compile_regions(model, dynamic=False)
+    step_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
+    if ctx is not None and ctx.is_distributed:
+        step_model = distributed.wrap_model(model, ctx, DTYPES[point.dtype])
+    if point.compile and point.compile_scope == "model":
         step_model = torch.compile(step_model, dynamic=False)
     optimizer = None
     if point.mode == "train-step":
@@ -392,7 +418,7 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
     row.update(size=point.size, params=param_count(cfg),  # = num_params(), also for rows that never built it
                d_model=cfg.d_model, n_layers=cfg.n_layers,
                n_heads=cfg.n_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
-               batch_size=point.batch_size, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
+               batch_size=point.batch_size, impl=point.impl, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
                mode=point.mode, warmup=args.warmup, steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
@@ -463,7 +489,7 @@ def run_point(point: Point, args: argparse.Namespace, single: bool,
                 runner.step(ids, targets)
             synchronize(device)
         tqdm.write(f"memory snapshot: {path} (drag it onto {VIEWER_URL})")
-    if args.explain_memory:
+    if args.explain_memory and point.impl == "ours":  # the accounting describes our model
         figures["explanation"] = explain_point(point, runner, ids, targets, peak)
         tqdm.write(figures["explanation"])
     return figures
@@ -476,9 +502,11 @@ def explain_point(point: Point, runner: Runner, ids: torch.Tensor, targets: torc
                                device_type=runner.device.type)
     measured: list[tuple[str, Optional[int]]] = []
     if point.mode != "forward":
-        # A compiled model saves what inductor chose; the accounting describes the eager model.
+        # A compiled model saves what inductor chose; the accounting describes the eager model (force_eager also
+        # runs the blocks that compile_regions compiled in place without their compiled code).
         eager = replace(runner, step_model=runner.model)
-        saved = measure_saved_bytes(lambda: eager.loss(ids, targets), exclude=list(runner.model.parameters()))
+        with torch.compiler.set_stance("force_eager"):
+            saved = measure_saved_bytes(lambda: eager.loss(ids, targets), exclude=list(runner.model.parameters()))
         state = sum(s.nbytes for s in breakdown.state[0].terms if "autocast" in s.name)
         measured.append(("measured: saved for backward, eager (incl. autocast weight copies)", saved))
         measured.append(("  expected, same terms", breakdown.saved_bytes + state))
@@ -559,7 +587,7 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         d["mfu_pct"] = None if r.get("mfu") is None else 100 * r["mfu"]
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
         shown.append(d)
-    columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "attn": "attn", "dtype": "dtype",
+    columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn", "dtype": "dtype",
                "compile": "compile", "mode": "mode", "forward": "forward ms", "backward": "backward ms",
                "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
@@ -596,7 +624,8 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
 
 
 def _variant(row: dict[str, Any]) -> str:
-    return f"{row['attn']} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}"
+    who = "hf-llama" if row.get("impl") == "hf" else row["attn"]
+    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}"
 
 
 def _variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from attention import UnknownBackendError, backend_names
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from training import checkpoint, distributed, sharded_checkpoint
 from training.activation_checkpointing import checkpoint_blocks
+from training.compilation import COMPILE_SCOPES, compile_regions
 from training.data import batch_at, check_vocab, load_corpus, split_train_val
 from training.distributed import DistContext, DistributedError
 from training.logger import METRICS_FILE, MetricsLogger, NullLogger
@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm; 0 disables")
     o.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                    help="compute precision: bf16/fp16 autocast with fp32 master weights (fp16 adds a grad scaler)")
-    o.add_argument("--compile", action="store_true", help="torch.compile the model")
+    o.add_argument("--compile", action="store_true", help="torch.compile the model (see --compile-scope)")
+    o.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
+                   help="with --compile: blocks compiles each block (one graph, reused by every block: compile time "
+                        "does not grow with depth) and the LM head with the loss; model compiles the whole model as "
+                        "one graph")
     o.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward instead of storing its activations (less memory, "
                         "about one more forward of compute)")
@@ -128,9 +132,9 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: tor
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: contextlib.AbstractContextManager):
+    """Mean next-token cross-entropy, in fp32, computed inside the model: in its compiled code under --compile."""
     with autocast:
-        logits = model(x)  # (batch, seq, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return model(x, y)
 
 
 @torch.no_grad()
@@ -248,6 +252,8 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
         model = TransformerLM(cfg)
     if args.activation_checkpointing:
         checkpoint_blocks(model)
+    if args.compile and args.compile_scope == "blocks":
+        compile_regions(model)  # after checkpointing (the recomputed forward is compiled), before FSDP: as torchtitan
     step_model = distributed.wrap_model(model, ctx, DTYPES[args.dtype])  # `model` keeps the plain names
     optimizer = make_optimizer(model, args, device)  # after wrapping: FSDP replaces the parameters by shards
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")
@@ -257,7 +263,7 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
         start_step = load_checkpoint(ckpt_path, model, optimizer, scaler, cfg, ctx)
         if ctx.is_main:
             truncate_metrics(out / METRICS_FILE, start_step)
-    if args.compile:
+    if args.compile and args.compile_scope == "model":
         step_model = torch.compile(step_model)
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "fp32")
 
@@ -377,7 +383,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         figures = ", ".join(f"{k} {v:.2f}" for k, v in cuda_memory_gib(device).items())
         print(f"{who}error: CUDA out of memory on {torch.cuda.get_device_name(device)} ({total:.1f} GiB): {figures}\n"
               f"config: --size {args.size} --batch-size {args.batch_size} --context-length {args.context_length} "
-              f"--dtype {args.dtype} --attn {args.attn}{' --compile' if args.compile else ''}"
+              f"--dtype {args.dtype} --attn {args.attn}"
+              f"{' --compile --compile-scope ' + args.compile_scope if args.compile else ''}"
               f"{' --parallel ' + args.parallel if args.parallel != 'none' else ''}\n"
               "try a smaller --batch-size or --context-length, --dtype bf16, --attn flash, "
               "--activation-checkpointing, or --parallel fsdp over more GPUs", file=sys.stderr)

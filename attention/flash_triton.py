@@ -22,9 +22,11 @@ Precision. Scores, softmax statistics and all accumulators are fp32. The softmax
 qk_scale = scale * log2(e) multiplies the fp32 scores (not q, which would round q once more in
 fp16/bf16), and exp2 is a single MUFU instruction on NVIDIA GPUs. P and dS are cast to the input dtype
 before their tl.dot, as in FlashAttention-2, so fp16/bf16 matmuls run on tensor cores with fp32
-accumulation. fp32 inputs use tl.dot(input_precision="ieee"): full fp32 products, so the result is
-within 1e-3 of a float64 reference on GPU too (tf32 rounds the inputs to 10 mantissa bits, ~1e-3 per
-product, which leaves no margin); fp32 is for checking, bf16/fp16 are the fast paths.
+accumulation. fp32 inputs use tl.dot(input_precision="tf32x3"): each operand is split into a tf32 part
+and a tf32 remainder and three tensor-core products are summed, which keeps fp32-level accuracy (plain
+tf32 rounds the inputs to 10 mantissa bits, ~1e-3 per product, which leaves no margin against a float64
+reference). "ieee" gives the same accuracy on the FMA units, and measured 5x slower than cuBLAS fp32
+on the H100 seed sweep (results/h100/*-attention-seed-*.json). bf16/fp16 remain the fast paths.
 
 Shapes. Any leading dims (..., seq, d_head) are flattened to (batch, heads) without a copy where a view
 exists (strides go to the kernel, so e.g. a transposed (b, s, h, d) tensor is read in place). Head dims
@@ -245,8 +247,8 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32: exact products (see the design note). 16-bit inputs ignore it; "tf32" is triton's default.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32: 3xTF32, fp32-accurate on tensor cores (see the design note). 16-bit inputs ignore it.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _prune(kernel: str):

@@ -83,12 +83,18 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (seq_len, d_head / 2) in fp32, cached per device and length."""
+        if torch.compiler.is_compiling():  # computed in the graph: reading the cache would recompile once it fills
+            return self.compute_tables(seq_len, device)
         key = (device, seq_len)
         if key not in self._tables:
-            inv_freq = self.theta ** (-torch.arange(0, self.d_head, 2, device=device, dtype=torch.float64) / self.d_head)
-            angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
-            self._tables[key] = (angles.cos().float(), angles.sin().float())
+            self._tables[key] = self.compute_tables(seq_len, device)
         return self._tables[key]
+
+    def compute_tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the angles, computed in fp64 and rounded to fp32."""
+        inv_freq = self.theta ** (-torch.arange(0, self.d_head, 2, device=device, dtype=torch.float64) / self.d_head)
+        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
+        return angles.cos().float(), angles.sin().float()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., seq, d_head); positions: (seq,) ints, default 0..seq-1."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import einx
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention import get_attention
@@ -54,14 +55,21 @@ class TransformerLM(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: (batch, seq) int64 -> logits (batch, seq, vocab)."""
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """ids: (batch, seq) int64 -> logits (batch, seq, vocab), or the mean loss on targets (batch, seq)."""
         if ids.shape[-1] > self.cfg.context_length:
             raise ValueError(f"sequence of {ids.shape[-1]} tokens exceeds context_length {self.cfg.context_length}")
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
+        if targets is not None:
+            return self.loss_from_hidden(x, targets)
         return self.lm_head(self.final_norm(x))
+
+    def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32 scalar) of the last hidden states x: (batch, seq, d_model)."""
+        logits = self.lm_head(self.final_norm(x)).float()  # fp32 softmax also under bf16 autocast
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; non_embedding drops the token embedding (the LM head stays: it is a matmul)."""

@@ -136,3 +136,36 @@ def test_resume_with_another_model_is_refused(tmp_path, text_file, capsys):
     argv = [*TINY, "--d-model", "64", "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume"]
     assert train.main(argv) == 1
     assert "was written for another model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scope, compiled, graphs", [("blocks", 2 + 1, 2 * 2), ("model", 1, 1 * 2)],
+                         ids=["blocks", "model"])
+def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch, scope, compiled, graphs):
+    """train.py's --compile plumbing; aot_eager for speed (Inductor's numerics: tests/training/test_compilation.py)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    args = ("--steps", "3", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--no-checkpoint")
+    code, eager, _ = run(tmp_path, text_file, *args, name="eager")
+    assert code == 0
+    real_compile, calls, traced = torch.compile, [], []
+
+    def backend(gm, example_inputs):
+        traced.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    def compile_aot_eager(fn, **kwargs):
+        calls.append(fn)
+        return real_compile(fn, **{**kwargs, "backend": backend})
+
+    monkeypatch.setattr(torch, "compile", compile_aot_eager)
+    torch._dynamo.reset()
+    code, rows, _ = run(tmp_path, text_file, *args, "--compile", "--compile-scope", scope, name=scope)
+    torch._dynamo.reset()
+    assert code == 0
+    assert len(calls) == compiled  # blocks: each of the 2 blocks, and the loss; model: the whole model
+    # One graph for all blocks and one for the loss (with the loss inside the model), in training and in evaluation.
+    assert len(traced) == graphs
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in rows], [r[key] for r in eager], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows[-1]["val_loss"], eager[-1]["val_loss"], rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from training.metrics import flops_per_token, non_embedding_params
@@ -34,6 +35,18 @@ def test_attention_backend_is_chosen_by_name(attn):
     ids = torch.randint(0, 97, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(other(ids), ref(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_targets_give_the_mean_cross_entropy_of_the_logits():
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(**TINY))
+    ids, targets = torch.randint(0, 97, (3, 24)), torch.randint(0, 97, (3, 24))
+    loss = model(ids, targets)
+    assert loss.shape == () and loss.dtype == torch.float32
+    want = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the loss stays fp32 under autocast
+        assert model(ids, targets).dtype == torch.float32
 
 
 def test_sequence_longer_than_context_is_rejected():

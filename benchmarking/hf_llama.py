@@ -1,0 +1,50 @@
+"""The peer for training-step benchmarks: Hugging Face `LlamaForCausalLM` built to one of our size presets.
+
+Llama is the same architecture (RMSNorm, SwiGLU, RoPE, pre-norm blocks, untied head), so it times what a
+user would otherwise train with. `bench_model.py --impl hf` runs it through the same step, optimizer and
+timing as our model, on the same tokens, in the same process. transformers is optional: only this peer
+needs it, and the error says how to install it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+
+
+def _llama_classes():
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise RuntimeError("the Hugging Face peer (--impl hf) needs transformers: "
+                           "pip install transformers (or .venv/bin/pip install -e '.[peers]')") from e
+    return LlamaConfig, LlamaForCausalLM
+
+
+class HFLlama(nn.Module):
+    """LlamaForCausalLM with our model's call signature: forward(ids) -> logits, forward(ids, targets) -> loss."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        LlamaConfig, LlamaForCausalLM = _llama_classes()
+        self.cfg = cfg
+        self.hf = LlamaForCausalLM(LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+            max_position_embeddings=cfg.context_length, rope_theta=cfg.rope_theta, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, use_cache=False,
+            attn_implementation="sdpa"))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.hf(input_ids=ids, use_cache=False).logits  # (batch, seq, vocab)
+        if targets is None:
+            return logits
+        # As our model and as transformers' own loss: cross-entropy on fp32 logits.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.hf.model.embed_tokens.weight.numel() if non_embedding else n
