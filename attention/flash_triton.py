@@ -25,8 +25,9 @@ before their tl.dot, as in FlashAttention-2, so fp16/bf16 matmuls run on tensor 
 accumulation. fp32 inputs use tl.dot(input_precision="tf32x3"): each operand is split into a tf32 part
 and a tf32 remainder and three tensor-core products are summed, which keeps fp32-level accuracy (plain
 tf32 rounds the inputs to 10 mantissa bits, ~1e-3 per product, which leaves no margin against a float64
-reference). "ieee" gives the same accuracy on the FMA units, and measured 5x slower than cuBLAS fp32
-on the H100 seed sweep (results/h100/*-attention-seed-*.json). bf16/fp16 remain the fast paths.
+reference). "ieee" gives the same accuracy on the FMA units, and ran 5.7x slower at the seed sweep's
+B8 N16384 d64 point on the H100 (results/README.md); head dims above 128 still use it (see
+_dot_precision). bf16/fp16 remain the fast paths.
 
 Shapes. Any leading dims (..., seq, d_head) are flattened to (batch, heads) without a copy where a view
 exists (strides go to the kernel, so e.g. a transposed (b, s, h, d) tensor is read in place). Head dims
@@ -246,9 +247,13 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def _dot_precision(dtype: torch.dtype, block_d: int) -> str:
     # fp32: 3xTF32, fp32-accurate on tensor cores (see the design note). 16-bit inputs ignore it.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
+    # Head dims above 128 keep "ieee": with tf32x3, fp32 d_head 256 hit an illegal memory access on the H100
+    # (triton 3.6), and at those sizes the FMA path is what was tested correct there.
+    if dtype != torch.float32:
+        return "tf32"
+    return "tf32x3" if block_d <= 128 else "ieee"
 
 
 def _prune(kernel: str):
@@ -328,7 +333,8 @@ def _on_device_of(t: torch.Tensor):
 
 def _meta(q: torch.Tensor, causal: bool) -> dict:
     d = q.shape[-1]
-    return {"D": d, "BLOCK_D": _block_d(d), "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype)}
+    block_d = _block_d(d)
+    return {"D": d, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype, block_d)}
 
 
 def flash_forward(
