@@ -52,5 +52,28 @@ def main() -> None:
             print(f"{str((b, h, n, d)):>22} {name:>11} {ms:11.3f} {host:13.3f} {gpu:12.3f}  {tops}", flush=True)
 
 
+def profile_host(shape=(4, 20, 1024, 64), calls: int = 50) -> None:
+    """cProfile of the host side of flash fwd+bwd calls: where the host time per call goes."""
+    import cProfile
+    import pstats
+
+    q, k, v, do = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    run = fwd_bwd(get_attention("flash"), q, k, v, do)
+    for _ in range(20):
+        run()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    profile_host() if "--profile-host" in sys.argv else main()
