@@ -73,7 +73,34 @@ def profile_host(shape=(4, 20, 1024, 64), calls: int = 50) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def compare_paths(shape=(4, 20, 1024, 64), calls: int = 100) -> None:
+    """Host ms per fwd+bwd call through the custom op (the registry) and through FlashAttentionTriton.apply."""
+    from attention.flash_triton import FlashAttentionTriton
+
+    q, k, v, do = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    paths = {"custom op": get_attention("flash"),
+             "autograd.Function": lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal)}
+    for name, attend in paths.items():
+        run = fwd_bwd(attend, q, k, v, do)
+        for _ in range(20):
+            run()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        host = (time.perf_counter() - start) / calls * 1e3
+        torch.cuda.synchronize()
+        print(f"{str(shape):>22} {name:>18}: host {host:.3f} ms per fwd+bwd", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
-    profile_host() if "--profile-host" in sys.argv else main()
+    if "--profile-host" in sys.argv:
+        profile_host()
+    elif "--paths" in sys.argv:
+        compare_paths()
+    else:
+        main()
