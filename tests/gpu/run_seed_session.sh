@@ -4,13 +4,8 @@
 #   bash tests/gpu/run_seed_session.sh 16,32 long      # first half, then the lengths past the card
 #   bash tests/gpu/run_seed_session.sh 64,128          # second half
 # Results land in $OUT/results.tgz.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
 D_HEADS=${1:-16,32,64,128}; EXTRA=${2:-}
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; R=/tmp/res; mkdir -p $R
-[ -d .wheels ] && python3 -m pip install -q --no-index --find-links .wheels einx wandb
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
-stage() { echo "== $(date +%T) $1"; }
+source "$(dirname "$0")/session_preamble.sh"
 
 # The default flash tiles: autotuning 20 fp32 shapes would cost more than the sweep itself.
 stage "seed preset, d_head $D_HEADS"

@@ -2,16 +2,10 @@
 # One device call after the custom-op and 3xTF32 changes: the flash GPU test suite, the small training step with
 # each compile scope against the Hugging Face peer, B1 N4096 attention, and the fp32 seed points.
 # Results land in $OUT/results.tgz; the tables print last.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; R=/tmp/res; mkdir -p $R
-[ -d .wheels ] && python3 -m pip install -q --no-index --find-links .wheels einx wandb transformers
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
-stage() { echo "== $(date +%T) $1"; }
+EXTRA_WHEELS=transformers source "$(dirname "$0")/session_preamble.sh"
 
 stage "flash GPU test suite"
-FLASH_ATTN_AUTOTUNE=0 timeout ${SUITE_TIMEOUT:-240} python3 tests/gpu/run_gpu_suite.py --out $R/gpu-tests.json \
-  -- tests/attention -n 14 -q > $R/gpu_suite.log 2>&1; echo "rc=$?"
+gpu_suite
 stage "small, batch 16, context 1024: compile scopes, flash compiled, the peer"
 common="--sizes small --context-lengths 1024 --batch-size 16 --dtype bf16 --mode train-step --warmup 4 --steps 10 --no-progress --compile on"
 timeout 100 python3 bench_model.py $common --attn sdpa,flash --impl ours,hf --out $R/step-small-blocks > $R/step-small-blocks.log 2>&1; echo "rc=$?"

@@ -2,12 +2,7 @@
 # One device call for issue 6: the three training-step configs, ours against the Hugging Face Llama peer
 # (bench_model.py --impl ours,hf) in the same run. Needs transformers in .wheels
 # (../shared/gpu/fetch-wheels.sh .wheels transformers). Results land in $OUT/results.tgz; tables print last.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; R=/tmp/res; mkdir -p $R
-[ -d .wheels ] && python3 -m pip install -q --no-index --find-links .wheels einx wandb transformers
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
-stage() { echo "== $(date +%T) $1"; }
+EXTRA_WHEELS=transformers source "$(dirname "$0")/session_preamble.sh"
 common="--dtype bf16 --mode train-step --warmup ${WARMUP:-4} --steps ${STEPS:-10} --no-progress --impl ours,hf"
 
 stage "small, batch 16, context 1024"

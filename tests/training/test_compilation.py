@@ -1,3 +1,5 @@
+"""training.compilation: compiled regions give the eager loss and gradients, and all blocks share one compile."""
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
