@@ -20,6 +20,16 @@ if not torch.cuda.is_available():
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+
+def dtype_id(dtype: torch.dtype) -> str:
+    """A dtype as a test id: torch.float16 -> float16."""
+    return str(dtype).removeprefix("torch.")
+
+
+def randn(*shape, dtype=torch.float32, seed=0, device=DEVICE) -> torch.Tensor:
+    """Fresh standard-normal values from their own seeded generator, drawn on the CPU (the same on any device)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
 # Relative Frobenius error allowed against float64, by input dtype.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 

@@ -11,21 +11,13 @@ import torch
 from attention import UnsupportedInputError, get_attention, list_attention
 from attention import flash_torch
 from attention.flash_torch import FlashAttentionTorch
+from tests.attention.conftest import DEVICE, dtype_id, randn
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # plain PyTorch: bf16 is right on the CPU too
-
-
-def dtype_id(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def run_flash_torch(q, k, v, causal, scale):
     return FlashAttentionTorch.apply(q, k, v, causal, scale)
-
-
-def randn(*shape, dtype=torch.float32, seed=0, device=DEVICE):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

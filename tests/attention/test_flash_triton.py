@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from attention import UnsupportedInputError, get_attention, list_attention, why_not
 from attention import flash_triton
 from attention.flash_triton import FlashAttentionTriton, Tiles
+from tests.attention.conftest import dtype_id, randn
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -25,16 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
-def dtype_id(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def run_flash(q, k, v, causal, scale):
     return FlashAttentionTriton.apply(q, k, v, causal, scale)
-
-
-def randn(*shape, dtype=torch.float32, seed=0, device=DEVICE):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
