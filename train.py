@@ -14,6 +14,7 @@ import math
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -372,11 +373,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (TrainingError, DistributedError, FileNotFoundError, ValueError, UnknownBackendError) as e:
         print(f"{who}error: {e}", file=sys.stderr)
         return 1
-    except torch.distributed.DistError as e:
-        print(f"{who}error: a collective failed; another rank probably died, or stalled longer than --dist-timeout "
-              f"({args.dist_timeout:g} s). Its own error is in its output (torchrun names the failed rank).\n"
-              f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 1
     except torch.OutOfMemoryError:
         device = distributed.local_device(args.device, args.parallel)
         total = torch.cuda.get_device_properties(device).total_memory / 1024**3
@@ -389,6 +385,18 @@ def main(argv: Optional[list[str]] = None) -> int:
               "try a smaller --batch-size or --context-length, --dtype bf16, --attn flash, "
               "--activation-checkpointing, or --parallel fsdp over more GPUs", file=sys.stderr)
         return 1
+    except (torch.distributed.DistError, RuntimeError) as e:
+        if args.parallel == "none":
+            raise
+        # A collective that timed out inside DDP's backward arrives as a plain RuntimeError from gloo.
+        if isinstance(e, torch.distributed.DistError) or "Timed out" in str(e):
+            print(f"{who}error: a collective failed; another rank probably died, or stalled longer than "
+                  f"--dist-timeout ({args.dist_timeout:g} s). Its own error is in its output (torchrun names the "
+                  f"failed rank).\n{type(e).__name__}: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        # Returning would release this rank's DDP/FSDP state, which waits on its peers: forever behind a stalled one.
+        distributed.exit_now(1)
     return result["exit_code"]
 
 

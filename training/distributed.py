@@ -8,10 +8,11 @@ LOCAL_RANK, MASTER_ADDR and MASTER_PORT; rank r drives GPU LOCAL_RANK over NCCL 
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -224,3 +225,15 @@ def wrap_model(model: nn.Module, ctx: DistContext, dtype: torch.dtype) -> nn.Mod
 def error_prefix(parallel: str, env: Mapping[str, str] = os.environ) -> str:
     """'[rank r] ' for messages printed by several processes at once, else ''."""
     return f"[rank {env['RANK']}] " if parallel != "none" and "RANK" in env else ""
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process at once, output flushed, without running destructors or atexit hooks.
+
+    For a rank whose step failed mid-collective: its DDP/FSDP state holds work that waits on the other ranks,
+    and releasing it would wait too (behind a stalled rank, forever). torchrun sees the exit code and stops
+    the others; the other ranks' own collectives time out after --dist-timeout.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
