@@ -41,6 +41,7 @@ from profiling.memory_snapshot import VIEWER_URL, record_memory_history, snapsho
 from profiling.torch_profile import kernel_markdown, profile_steps
 from training import distributed
 from training.compilation import COMPILE_SCOPES, compile_regions
+from training.cuda_graph import GraphedStep
 from training.distributed import DistContext, DistributedError
 from training.metrics import mfu
 
@@ -49,6 +50,7 @@ IMPLS = ("ours", "hf")
 MODES = ("forward", "forward-backward", "train-step")
 PHASES = ("forward", "backward", "optimizer", "total")
 GIB = 1024**3
+GRAPH_WARMUP = 2  # eager steps before a CUDA graph is captured (compile and autotune happen in the first)
 
 # Every column of results.csv / results.json, with what it means (the README lists these).
 COLUMNS: dict[str, str] = {
@@ -66,6 +68,8 @@ COLUMNS: dict[str, str] = {
     "dtype": "fp32, or bf16 autocast with fp32 master weights",
     "compile": "torch.compile on the model: per block and LM head + loss (--compile-scope blocks) or whole model",
     "mode": "forward (no grad), forward-backward, or train-step (forward + backward + AdamW)",
+    "cuda_graph": "train-step replayed as one CUDA graph (training.cuda_graph); its phases are then not split, and "
+                  "peak memory counts from the capture on (a replay allocates nothing: it runs in the graph's pool)",
     "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
     **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
        for p in PHASES for s in ("mean", "std")},
@@ -123,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                    help="what --compile compiles: blocks (default: each block, reusing one graph, and the LM head "
                         "with the loss, as torchtitan) or model (the whole model as one graph)")
+    m.add_argument("--cuda-graph", nargs="?", const="on", default="off", choices=["on", "off", "both"],
+                   help="replay the whole train-step (forward, backward, AdamW) as one CUDA graph: on, off (default) "
+                        "or both; removes the host's time per step. Needs --mode train-step, a GPU and --warmup >= 3")
     m.add_argument("--mode", nargs="+", default=["forward-backward"],
                    help=f"{', '.join(MODES)}; comma list (default forward-backward)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -170,6 +177,7 @@ class Point:
     mode: str
     compile_scope: str = "blocks"  # what compile compiles: training.compilation.COMPILE_SCOPES
     impl: str = "ours"  # ours, or hf: the Hugging Face peer (whole-model compile, its own SDPA attention)
+    cuda_graph: bool = False  # the train-step captured once and replayed (training.cuda_graph)
 
     @property
     def context_length(self) -> int:
@@ -179,7 +187,8 @@ class Point:
     def label(self) -> str:
         who = "hf-llama" if self.impl == "hf" else self.cfg.attn
         return (f"{self.size} T={self.context_length} B={self.batch_size} {who} {self.dtype} "
-                f"compile={self.compile_scope if self.compile else 'off'} {self.mode}")
+                f"compile={self.compile_scope if self.compile else 'off'} {self.mode}"
+                + (" cuda-graph" if self.cuda_graph else ""))
 
     @property
     def slug(self) -> str:
@@ -216,6 +225,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     args.dtype = _choices(p, "--dtype", _split(args.dtype), list(DTYPES), "dtype")
     args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
     args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
+    if args.cuda_graph != "off":
+        if args.mode != ["train-step"]:
+            p.error(f"--cuda-graph captures the whole train step: use --mode train-step (got {','.join(args.mode)})")
+        if args.parallel != "none":
+            p.error("--cuda-graph is for one device; drop --parallel")
+        if args.warmup < GRAPH_WARMUP + 1:
+            p.error(f"--cuda-graph needs --warmup >= {GRAPH_WARMUP + 1} ({GRAPH_WARMUP} eager steps, then the "
+                    f"capture), got {args.warmup}")
     if "hf" in args.impl:
         if args.parallel != "none":
             p.error("--impl hf is the one-GPU peer; drop --parallel")
@@ -255,6 +272,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(f"--device: {e}")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch.cuda.is_available() is False")
+    if args.cuda_graph != "off" and device.type != "cuda":
+        p.error(f"--cuda-graph needs a CUDA device, got --device {device}")
     args.device = device
     if args.nvtx:
         reason = nvtx.unavailable()
@@ -299,13 +318,14 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 def sweep_points(args: argparse.Namespace) -> list[Point]:
     """Every configuration, in the order they run: size, backend, dtype, compile, context, mode."""
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     # The peer has its own attention (SDPA) and is compiled whole, as a user would: one row per other setting.
     variants = [("ours", attn) for attn in args.attn if "ours" in args.impl] + [("hf", "sdpa")] * ("hf" in args.impl)
     return [
         Point(size, replace(args.configs[size], attn=attn, context_length=t), args.batch_size, dtype, comp, mode,
-              "model" if impl == "hf" else args.compile_scope, impl)
+              "model" if impl == "hf" else args.compile_scope, impl, graph)
         for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
-        for t in args.context_lengths for mode in args.mode
+        for t in args.context_lengths for mode in args.mode for graph in graphs
     ]
 
 
@@ -336,6 +356,7 @@ class Runner:
     optimizer: Optional[torch.optim.Optimizer]
     device: torch.device
     annotate: bool = False  # add torch.profiler labels to the phases
+    graphed: Optional[GraphedStep] = None  # the train-step as a CUDA graph (point.cuda_graph)
 
     def autocast(self) -> ContextManager[None]:
         dtype = DTYPES[self.point.dtype]
@@ -346,9 +367,23 @@ class Runner:
         with self.autocast():
             return self.step_model(ids, targets)
 
+    def train_step(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor]:
+        """Forward, backward and AdamW step, without synchronising: what the CUDA graph captures."""
+        loss = self.loss(ids, targets)
+        loss.backward()
+        self.optimizer.step()
+        return (loss.detach(),)
+
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """One step of the point's mode; returns each phase's time in ms, synchronised at each boundary."""
         mode, sync = self.point.mode, self.device
+        if self.graphed is not None:
+            synchronize(sync)
+            start = time.perf_counter()
+            with _phase("step (CUDA graph)", self.annotate):
+                self.graphed(ids, targets)
+                synchronize(sync)
+            return {"total": (time.perf_counter() - start) * 1e3}
         for p in self.model.parameters():  # set_to_none: backward writes fresh gradients, no accumulation
             p.grad = None
         times: dict[str, float] = {}
@@ -396,9 +431,13 @@ def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] 
     if point.compile and point.compile_scope == "model":
         step_model = torch.compile(step_model, dynamic=False)
     optimizer = None
-    if point.mode == "train-step":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    return Runner(point, model, step_model, optimizer, device)
+    if point.mode == "train-step":  # capturable: the step count on the GPU, so a CUDA graph can replay the step
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda",
+                                      capturable=point.cuda_graph)
+    runner = Runner(point, model, step_model, optimizer, device)
+    if point.cuda_graph:
+        runner.graphed = GraphedStep(runner.train_step, optimizer, warmup=GRAPH_WARMUP)
+    return runner
 
 
 def random_batch(point: Point, device: torch.device, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +458,7 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
                d_model=cfg.d_model, n_layers=cfg.n_layers,
                n_heads=cfg.n_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
                batch_size=point.batch_size, impl=point.impl, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
-               mode=point.mode, warmup=args.warmup, steps=args.steps)
+               mode=point.mode, cuda_graph=point.cuda_graph, warmup=args.warmup, steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
     return row
@@ -456,9 +495,14 @@ def run_point(point: Point, args: argparse.Namespace, single: bool,
     ids, targets = random_batch(point, device, generator)
 
     with nvtx.range("warmup"):
-        for _ in range(args.warmup):
+        for i in range(args.warmup):
+            if point.cuda_graph and i == GRAPH_WARMUP:
+                # From the capture on: a replay allocates nothing (its memory is the graph's pool, taken during
+                # capture), so a peak reset after capture would miss the activations.
+                reset_peak_memory(device)
             runner.step(ids, targets)
-    reset_peak_memory(device)
+    if not point.cuda_graph:
+        reset_peak_memory(device)
     per_phase: dict[str, list[float]] = {}
     for i in range(args.steps):
         with nvtx.range(f"step {i}"):
@@ -588,7 +632,7 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
         shown.append(d)
     columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn", "dtype": "dtype",
-               "compile": "compile", "mode": "mode", "forward": "forward ms", "backward": "backward ms",
+               "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph", "forward": "forward ms", "backward": "backward ms",
                "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
@@ -625,7 +669,8 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
 
 def _variant(row: dict[str, Any]) -> str:
     who = "hf-llama" if row.get("impl") == "hf" else row["attn"]
-    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}"
+    graph = " cuda-graph" if row.get("cuda_graph") else ""
+    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}"
 
 
 def _variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

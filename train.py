@@ -26,6 +26,7 @@ from model import PRESETS, ModelConfig, TransformerLM, config_for
 from training import checkpoint, distributed, sharded_checkpoint
 from training.activation_checkpointing import checkpoint_blocks
 from training.compilation import COMPILE_SCOPES, compile_regions
+from training.cuda_graph import GraphedStep
 from training.data import batch_at, check_vocab, load_corpus, split_train_val
 from training.distributed import DistContext, DistributedError
 from training.logger import METRICS_FILE, MetricsLogger, NullLogger
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --compile: blocks compiles each block (one graph, reused by every block: compile time "
                         "does not grow with depth) and the LM head with the loss; model compiles the whole model as "
                         "one graph")
+    o.add_argument("--cuda-graph", action="store_true",
+                   help="capture the whole step (forward, backward, clipping, AdamW) once as a CUDA graph and replay "
+                        "it: no host time per step. One CUDA device, bf16 or fp32; the first 2 steps run eagerly")
     o.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward instead of storing its activations (less memory, "
                         "about one more forward of compute)")
@@ -114,6 +118,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"{' (the ranks then talk over gloo)' if args.parallel != 'none' else ''}")
     if args.dist_timeout <= 0:
         p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    if args.cuda_graph:
+        if not args.device.startswith("cuda"):
+            p.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
+        if args.parallel != "none":
+            p.error("--cuda-graph is for one process; drop --parallel")
+        if args.dtype == "fp16":
+            p.error("--cuda-graph supports --dtype bf16 or fp32 (fp16's gradient scaler checks for inf on the host)")
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
@@ -129,7 +140,20 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: tor
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    # A CUDA graph replays the step as captured: the step count must live on the GPU (capturable) and the learning
+    # rate be a tensor that set_lr updates in place.
+    lr = torch.tensor(args.lr, device=device) if args.cuda_graph else args.lr
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+                             capturable=args.cuda_graph)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate; a tensor learning rate (CUDA graphs) is written in place."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: contextlib.AbstractContextManager):
@@ -262,11 +286,25 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
     start_step = 0
     if args.resume:
         start_step = load_checkpoint(ckpt_path, model, optimizer, scaler, cfg, ctx)
+        for group in optimizer.param_groups:  # the checkpoint's run may have had the other kind of learning rate
+            lr = float(group["lr"])
+            group["lr"] = torch.tensor(lr, device=device) if args.cuda_graph else lr
         if ctx.is_main:
             truncate_metrics(out / METRICS_FILE, start_step)
     if args.compile and args.compile_scope == "model":
         step_model = torch.compile(step_model)
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "fp32")
+    max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+    graphed = None
+    if args.cuda_graph:
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = lm_loss(step_model, x, y, autocast)  # no scaler: bf16 and fp32 need none
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
+            return loss.detach(), grad_norm
+
+        graphed = GraphedStep(train_step, optimizer, warmup=2)
 
     n_params, n_non_embed = model.num_params(), model.num_params(non_embedding=True)
     tokens_per_step = args.batch_size * args.context_length  # global: all ranks together
@@ -289,18 +327,19 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
     try:
         while step < args.steps:
             lr = lr_at(step, args.lr, args.min_lr, args.warmup_steps, args.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr)
             x, y = batch_at(train_tokens, args.batch_size, args.context_length, args.seed, step,
                             rank=ctx.rank, world_size=ctx.world_size, device=device)
-            loss = lm_loss(step_model, x, y, autocast)
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0
-                                                       else float("inf"))
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            if graphed is not None:
+                loss, grad_norm = graphed(x, y)
+            else:
+                loss = lm_loss(step_model, x, y, autocast)
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
             step += 1
             window_steps += 1
             bar.update(1)

@@ -85,13 +85,16 @@ class Tiles:
 
 
 # Kept short on purpose: every config is a compile (1-2 s each) the first time a shape is seen. These are
-# the configs that win on Hopper for d_head 64-128 in bf16/fp16; smaller tiles remain in DEFAULT_TILES.
-FWD_SEARCH_SPACE = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 2),
-                    Tiles(128, 32, 4, 4), Tiles(64, 64, 4, 3), Tiles(64, 32, 4, 4)]
+# the configs that won on the H100 for d_head 64-128 in bf16 (tests/gpu/flash_tile_sweep.py, 11-16 configs per
+# kernel on the issue's shapes, results/README.md); smaller tiles remain in DEFAULT_TILES.
+FWD_SEARCH_SPACE = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 3),
+                    Tiles(128, 128, 8, 2), Tiles(128, 32, 4, 4), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4),
+                    Tiles(64, 32, 4, 4)]
 DKDV_SEARCH_SPACE = [Tiles(32, 128, 4, 3), Tiles(32, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(64, 128, 8, 2),
-                     Tiles(32, 64, 4, 3), Tiles(64, 64, 4, 3)]
-DQ_SEARCH_SPACE = [Tiles(128, 32, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 64, 4, 3), Tiles(128, 32, 8, 3),
-                   Tiles(64, 64, 4, 3), Tiles(64, 32, 4, 3)]
+                     Tiles(32, 64, 4, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2), Tiles(128, 128, 8, 2)]
+DQ_SEARCH_SPACE = [Tiles(128, 32, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 4),
+                   Tiles(128, 64, 4, 3), Tiles(128, 32, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4),
+                   Tiles(64, 32, 4, 3)]
 SEARCH_SPACES = {"fwd": FWD_SEARCH_SPACE, "dkdv": DKDV_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE}
 
 # Without autotuning: the first of these that fits the head dim and dtype with margin (at most
@@ -304,15 +307,33 @@ def _autotuned(kernel: str):
     return triton.autotune(configs=configs, key=_AUTOTUNE_KEY, **options)(getattr(_kernels(), _KERNEL_NAMES[kernel]))
 
 
-def _launch(kernel: str, n_rows_of_grid: int, bh: int, args: tuple, meta: dict, like: torch.Tensor,
+# The config the autotuner chose, per kernel and autotune key. Later calls with that key launch the kernel with it
+# directly: going through the Autotuner again costs about 13 us of host time per launch (37 against 24 us measured
+# on the H100, tests/gpu/flash_host_breakdown.py), and short sequences are bound by host time.
+_tuned: dict[tuple, Tiles] = {}
+
+
+def _tiles_of(config) -> Tiles:
+    return Tiles(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+
+
+def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: dict, like: torch.Tensor,
             tiles: Optional[Tiles]) -> None:
-    """Run `kernel` over a (tiles of n_rows_of_grid, bh) grid, with `tiles` or the mode's choice of tiles."""
+    """Run `kernel` over a (tiles of its own axis, bh) grid, with `tiles` or the mode's choice of tiles.
+
+    seq_lens is (n_q, n_k); the dK/dV kernel owns key tiles, the others query tiles."""
+    n_rows_of_grid = seq_lens[1] if kernel == "dkdv" else seq_lens[0]
     grid_block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"  # the tile each program owns
     jit_fn = getattr(_kernels(), _KERNEL_NAMES[kernel])
     if tiles is None and not _interpreting() and _autotune_enabled():
-        grid = lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)  # noqa: E731
-        _autotuned(kernel)[grid](*args, **meta)
-        return
+        # What the autotuner keys on (_AUTOTUNE_KEY and the dtypes, which follow q's), plus the device.
+        key = (kernel, *seq_lens, meta["D"], meta["CAUSAL"], like.dtype, like.device)
+        tiles = _tuned.get(key)
+        if tiles is None:
+            tuner = _autotuned(kernel)
+            tuner[lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)](*args, **meta)
+            _tuned[key] = _tiles_of(tuner.best_config)
+            return
     if tiles is None:
         if _interpreting():
             tiles = INTERPRET_TILES[kernel]
@@ -351,7 +372,7 @@ def flash_forward(
     args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
             h, n_q, n_k, scale * math.log2(math.e))
     with _on_device_of(q):
-        _launch("fwd", n_q, b * h, args, _meta(q, causal), q, tiles)
+        _launch("fwd", (n_q, n_k), b * h, args, _meta(q, causal), q, tiles)
     return o, lse
 
 
@@ -378,10 +399,10 @@ def flash_backward(
         )
         args = (q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
                 *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale)
-        _launch("dkdv", n_k, b * h, args, meta, q, tiles.get("dkdv"))
+        _launch("dkdv", (n_q, n_k), b * h, args, meta, q, tiles.get("dkdv"))
         args = (q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
                 *_strides(dq4), h, n_q, n_k, qk_scale, scale)
-        _launch("dq", n_q, b * h, args, meta, q, tiles.get("dq"))
+        _launch("dq", (n_q, n_k), b * h, args, meta, q, tiles.get("dq"))
     return dq, dk, dv
 
 

@@ -71,39 +71,36 @@ class SwiGLU(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates pairs (x[2i], x[2i+1]) of q and k by angle pos * theta^(-2i/d_head)."""
+    """Rotates pairs (x[2i], x[2i+1]) of q and k by angle pos * theta^(-2i/d_head), for positions < max_seq_len.
 
-    def __init__(self, d_head: int, theta: float = 10_000.0):
+    The cos/sin tables are computed once, at construction, as non-persistent buffers (they follow the model's
+    device and stay out of checkpoints). Compiled code then loads them: computing them inside the compiled block
+    instead made Inductor evaluate pow and cos per element of q and k: 12 of the 76 GPU ms of a `large` training
+    step on the H100 went to those kernels (bench_model --profile, results/README.md).
+    """
+
+    def __init__(self, d_head: int, theta: float = 10_000.0, max_seq_len: int = 2048):
         super().__init__()
         if d_head % 2:
             raise ValueError(f"RoPE needs an even d_head, got {d_head}")
-        self.d_head = d_head
-        self.theta = theta
-        self._tables: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (seq_len, d_head / 2) in fp32, cached per device and length."""
-        if torch.compiler.is_compiling():  # computed in the graph: reading the cache would recompile once it fills
-            return self.compute_tables(seq_len, device)
-        key = (device, seq_len)
-        if key not in self._tables:
-            self._tables[key] = self.compute_tables(seq_len, device)
-        return self._tables[key]
-
-    def compute_tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of the angles, computed in fp64 and rounded to fp32."""
-        inv_freq = self.theta ** (-torch.arange(0, self.d_head, 2, device=device, dtype=torch.float64) / self.d_head)
-        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
-        return angles.cos().float(), angles.sin().float()
+        self.d_head, self.theta, self.max_seq_len = d_head, theta, max_seq_len
+        # In fp64, then rounded to fp32: angles of late positions keep their precision.
+        inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (max_seq_len, d_head / 2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (..., seq, d_head); positions: (seq,) ints, default 0..seq-1."""
+        """x: (..., seq, d_head); positions: (seq,) ints below max_seq_len, default 0..seq-1."""
         seq = x.shape[-2]
-        cos, sin = self.tables(seq if positions is None else int(positions.max()) + 1, x.device)
-        if positions is not None:
-            cos, sin = cos[positions], sin[positions]
+        if positions is None:
+            if seq > self.max_seq_len:
+                raise ValueError(f"RoPE tables cover {self.max_seq_len} positions; got a sequence of {seq}")
+            cos, sin = self.cos[:seq], self.sin[:seq]
         else:
-            cos, sin = cos[:seq], sin[:seq]
+            if not torch.compiler.is_compiling() and int(positions.max()) >= self.max_seq_len:
+                raise ValueError(f"RoPE tables cover positions < {self.max_seq_len}; got {int(positions.max())}")
+            cos, sin = self.cos[positions], self.sin[positions]
         x1, x2 = einx.id("... s (half two) -> two ... s half", x.float(), two=2)
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos))
         return einx.id("two ... s half -> ... s (half two)", rotated).to(x.dtype)

@@ -49,7 +49,7 @@ class TransformerLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        rope = RotaryEmbedding(cfg.d_head, cfg.rope_theta)  # one table cache shared by all layers
+        rope = RotaryEmbedding(cfg.d_head, cfg.rope_theta, cfg.context_length)  # one pair of tables for all layers
         self.embed = Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, rope) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model)

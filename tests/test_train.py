@@ -106,6 +106,7 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
         (["--size", "huge"], 2, "unknown --size 'huge'; valid: tiny, small"),
         (["--steps", "0"], 2, "--steps must be >= 1"),
         (["--dtype", "fp16"], 2, "fp16 needs a CUDA device"),
+        (["--cuda-graph"], 2, "--cuda-graph needs a CUDA device, got --device cpu"),
     ],
 )
 def test_bad_input_stops_with_a_message(tmp_path, text_file, capsys, argv, code, message):
@@ -169,3 +170,21 @@ def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch, scope, comp
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in rows], [r[key] for r in eager], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rows[-1]["val_loss"], eager[-1]["val_loss"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_trains_like_the_plain_step_and_resumes(tmp_path, text_file):
+    """--cuda-graph: 2 eager steps, a capture, replays; the same losses and gradient norms as the plain step, with
+    the learning-rate schedule applied (warm-up and decay change it every step), and a resume from its checkpoint."""
+    gpu = ("--device", "cuda", "--steps", "12", "--log-every", "1", "--eval-every", "6", "--ckpt-every", "6")
+    code, plain, _ = run(tmp_path, text_file, *gpu, name="plain")
+    assert code == 0
+    code, graphed, out = run(tmp_path, text_file, *gpu, "--cuda-graph", name="graphed")
+    assert code == 0
+    assert [r["step"] for r in graphed] == list(range(1, 13))
+    for key in ("loss", "grad_norm", "lr"):
+        torch.testing.assert_close([r[key] for r in graphed], [r[key] for r in plain], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(graphed[-1]["val_loss"], plain[-1]["val_loss"], rtol=1e-4, atol=1e-5)
+    code, _, _ = run(tmp_path, text_file, *gpu[:2], "--steps", "14", "--log-every", "1", "--eval-every", "0",
+                     "--cuda-graph", "--resume", name="graphed")
+    assert code == 0

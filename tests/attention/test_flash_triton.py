@@ -225,6 +225,48 @@ def test_autotuner_is_built_once_per_kernel():
     assert flash_triton._autotuned("fwd") is not flash_triton._autotuned("dq")
 
 
+def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
+    """The autotuner runs once per kernel and key; later calls launch its choice without it (host time)."""
+    triton = pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("drives the autotune path with a stand-in tuner on the CPU interpreter")
+    tuned_calls = []
+
+    class StandIn:  # picks the interpreter's tiles, as a real tuner would pick its best config
+        def __init__(self, kernel):
+            self.kernel = kernel
+            t = flash_triton.INTERPRET_TILES[kernel]
+            self.best_config = triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n},
+                                             num_warps=t.num_warps, num_stages=t.num_stages)
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                tuned_calls.append(self.kernel)
+                t = flash_triton._tiles_of(self.best_config)
+                jit_fn = getattr(flash_triton._kernels(), flash_triton._KERNEL_NAMES[self.kernel])
+                jit_fn[grid({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n})](
+                    *args, **meta, **self.best_config.all_kwargs())
+            return run
+
+    tuners = {k: StandIn(k) for k in ("fwd", "dkdv", "dq")}
+    monkeypatch.setattr(flash_triton, "_autotuned", tuners.__getitem__)
+    monkeypatch.setattr(flash_triton, "_interpreting", lambda: False)
+    monkeypatch.setattr(flash_triton, "_autotune_enabled", lambda: True)
+    monkeypatch.setattr(flash_triton, "_tuned", {})
+    q, k, v, do = (randn(1, 2, 40, 16, seed=s) for s in range(4))
+    results = []
+    for _ in range(2):  # the kernels directly: the input checks would refuse the patched non-interpreter mode
+        o, lse = flash_triton.flash_forward(q, k, v, True, 0.25)
+        results.append([o, *flash_triton.flash_backward(q, k, v, o, lse, do, True, 0.25)])
+    assert tuned_calls == ["fwd", "dkdv", "dq"]  # the second call went around the tuners
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=0.25)
+    assert torch.allclose(results[1][0].double(), expected, atol=1e-4)
+    q2 = randn(1, 2, 48, 16, seed=5)  # a new key tunes again
+    flash_triton.flash_forward(q2, q2, q2, True, 0.25)
+    assert tuned_calls[-1] == "fwd" and len(tuned_calls) == 4
+
+
 def test_autotune_pruning_respects_shared_memory_and_seq(monkeypatch):
     triton = pytest.importorskip("triton")
     monkeypatch.setattr(flash_triton, "_smem_limit", lambda device_index: 227 * 1024)

@@ -56,11 +56,16 @@ def test_rope_scores_depend_only_on_relative_position():
         torch.testing.assert_close(diag, diag[0].expand_as(diag), atol=1e-4, rtol=1e-4)
 
 
-def test_rope_tables_cached_per_device_and_length():
-    rope = RotaryEmbedding(8)
-    a = rope.tables(10, torch.device("cpu"))
-    assert rope.tables(10, torch.device("cpu"))[0] is a[0]
-    assert rope.tables(12, torch.device("cpu"))[0].shape == (12, 4)
+def test_rope_tables_are_buffers_outside_checkpoints():
+    rope = RotaryEmbedding(8, max_seq_len=12)
+    assert rope.cos.shape == rope.sin.shape == (12, 4) and rope.cos.dtype == torch.float32
+    assert dict(rope.named_buffers()).keys() == {"cos", "sin"} and rope.state_dict() == {}
+    x = torch.randn(3, 12, 8)
+    torch.testing.assert_close(rope(x[:, 5:], positions=torch.arange(5, 12)), rope(x)[:, 5:])  # rows by position
+    with pytest.raises(ValueError, match="RoPE tables cover 12 positions; got a sequence of 13"):
+        rope(torch.randn(13, 8))
+    with pytest.raises(ValueError, match="positions < 12; got 12"):
+        rope(x, positions=torch.arange(1, 13))  # 12 positions, the last out of range
 
 
 def test_rope_rejects_odd_head_dim():

@@ -1,0 +1,60 @@
+"""Sweep the tiles of each flash kernel (the other kernels at their tuned config) on the leaderboard shapes, bf16.
+
+Prints the five fastest configs per kernel and shape, and the autotuner's pick. Feeds the SEARCH_SPACES of
+attention/flash_triton.py. Usage: PYTHONPATH=. python3 tests/gpu/flash_tile_sweep.py"""
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from attention import flash_triton as ft
+from attention.flash_triton import Tiles as T
+
+CANDIDATES = {
+    "fwd": [T(64, 64, 4, 3), T(64, 64, 4, 4), T(128, 64, 4, 3), T(128, 64, 8, 3), T(128, 64, 8, 4), T(128, 64, 4, 4),
+            T(128, 128, 8, 2), T(128, 128, 8, 3), T(128, 32, 4, 4), T(64, 32, 4, 4), T(128, 128, 4, 2)],
+    "dkdv": [T(16, 64, 4, 3), T(16, 128, 8, 3), T(32, 64, 4, 3), T(32, 64, 4, 4), T(32, 64, 8, 3), T(32, 128, 4, 3),
+             T(32, 128, 8, 2), T(32, 128, 8, 3), T(32, 128, 8, 4), T(64, 64, 4, 2), T(64, 64, 4, 3), T(64, 64, 8, 3),
+             T(64, 128, 8, 2), T(64, 128, 8, 3), T(64, 128, 4, 2), T(128, 128, 8, 2)],
+    "dq": [T(64, 32, 4, 3), T(64, 64, 4, 3), T(64, 64, 4, 4), T(128, 32, 4, 3), T(128, 32, 8, 3), T(128, 64, 4, 3),
+           T(128, 64, 8, 2), T(128, 64, 8, 3), T(128, 64, 8, 4), T(128, 128, 8, 2), T(128, 128, 8, 3), T(64, 16, 4, 4),
+           T(128, 16, 4, 4)],
+}
+
+
+def main():
+    shapes = [(1, 16, 16384, 64, True), (2, 16, 8192, 128, True), (2, 16, 8192, 64, False), (1, 16, 4096, 64, True)]
+    for b, h, n, d, causal in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        scale = d ** -0.5
+        o, lse = ft.flash_forward(q, k, v, causal, scale)
+        ft.flash_backward(q, k, v, o, lse, do, causal, scale)
+        tuned = {kern: ft._tuned[(kern, n, n, d, causal, q.dtype, q.device)] for kern in ("fwd", "dkdv", "dq")}
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+        print(f"\n{(b, h, n, d, causal)} tuned {tuned}", flush=True)
+        for kern, cands in CANDIDATES.items():
+            rows = []
+            for t in cands:
+                try:
+                    if kern == "fwd":
+                        fn = lambda: ft.flash_forward(q, k, v, causal, scale, tiles=t)  # noqa: E731
+                        err = (fn()[0].float() - ref).abs().max().item()
+                    else:
+                        tiles = {**tuned, kern: t}
+                        fn = lambda: ft.flash_backward(q, k, v, o, lse, do, causal, scale, tiles=tiles)  # noqa: E731
+                        fn()
+                        err = 0.0
+                    rows.append((do_bench(fn, warmup=10, rep=100), t, err))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {kern} {t}: FAILED {type(e).__name__}", flush=True)
+            rows.sort(key=lambda r: r[0])
+            for ms, t, err in rows[:5]:
+                mark = " (tuned)" if t == tuned[kern] else ""
+                print(f"  {kern} {ms:.3f} ms {t}{mark} err {err:.1e}", flush=True)
+            tuned_rows = [r for r in rows if r[1] == tuned[kern]]
+            if tuned_rows and tuned_rows[0] not in rows[:5]:
+                print(f"  {kern} {tuned_rows[0][0]:.3f} ms {tuned[kern]} (tuned)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""training/cuda_graph.py: a replayed step trains exactly as the plain step (GPU), and refusals (any machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import ModelConfig, TransformerLM
+from training.cuda_graph import GraphedStep
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256, context_length=32, attn="sdpa")
+
+
+def _setup(device: str, capturable: bool):
+    torch.manual_seed(0)
+    model = TransformerLM(CFG).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=device), fused=device == "cuda",
+                            capturable=capturable)
+
+    def step(ids, targets):
+        loss = model(ids, targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        return loss.detach(), norm
+
+    return model, opt, step
+
+
+def _batches(n: int, device: str):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(256, (4, 32), generator=g).to(device), torch.randint(256, (4, 32), generator=g).to(device))
+            for _ in range(n)]
+
+
+@requires_cuda
+def test_replayed_steps_train_like_the_plain_steps():
+    batches = _batches(7, "cuda")
+    model, opt, step = _setup("cuda", capturable=False)
+    plain = []
+    for i, (x, y) in enumerate(batches):
+        opt.param_groups[0]["lr"].fill_(1e-3 / (i + 1))  # a schedule: the tensor lr is updated in place
+        opt.zero_grad(set_to_none=True)
+        plain.append([t.item() for t in step(x, y)])
+    plain_params = [p.detach().clone() for p in model.parameters()]
+
+    model, opt, step = _setup("cuda", capturable=True)
+    graphed = GraphedStep(step, opt, warmup=2)
+    replayed = []
+    for i, (x, y) in enumerate(batches):
+        opt.param_groups[0]["lr"].fill_(1e-3 / (i + 1))
+        replayed.append([t.item() for t in graphed(x, y)])
+    assert graphed.captured and graphed.calls == 7
+    # Steps 1-2 eager, 3 captured then replayed, 4-7 replays: each saw its own batch and learning rate.
+    torch.testing.assert_close(torch.tensor(replayed), torch.tensor(plain), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), plain_params):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-4, atol=1e-5)
+
+
+@requires_cuda
+def test_a_new_shape_after_capture_is_refused_with_both_shapes():
+    _, opt, step = _setup("cuda", capturable=True)
+    graphed = GraphedStep(step, opt, warmup=1)
+    (x, y), = _batches(1, "cuda")
+    graphed(x, y)
+    graphed(x, y)
+    with pytest.raises(ValueError, match=r"input 0 is \(4, 16\).*captured with \(4, 32\)"):
+        graphed(x[:, :16], y[:, :16])
+
+
+def test_optimizer_without_capturable_is_refused():
+    _, opt, step = _setup("cpu", capturable=False)
+    with pytest.raises(ValueError, match="capturable=True"):
+        GraphedStep(step, opt)
+
+
+def test_cpu_tensors_are_refused():
+    model = TransformerLM(CFG)
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)
+    graphed = GraphedStep(lambda x, y: (model(x, y),), opt)
+    (x, y), = _batches(1, "cpu")
+    with pytest.raises(ValueError, match="needs CUDA tensors, got one on cpu"):
+        graphed(x, y)
