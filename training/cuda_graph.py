@@ -75,7 +75,10 @@ class GraphedStep:
 
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         torch.cuda.synchronize()
-        self.static_inputs = tuple(t.clone() for t in inputs)
+        # With the inputs' strides, not clone()'s contiguous ones: compiled code guards on strides, and a batch
+        # sliced from a longer window (stride seq + 1) would otherwise recompile inside the capture, which fails.
+        self.static_inputs = tuple(
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t) for t in inputs)
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -60,6 +60,25 @@ def test_replayed_steps_train_like_the_plain_steps():
 
 
 @requires_cuda
+def test_compiled_model_with_strided_batches_is_captured_without_recompiling():
+    """Batches sliced from (batch, seq + 1) windows, as train.py's: the static inputs keep their strides, so the
+    compiled regions' stride guards hold at capture (a recompile inside a capture fails)."""
+    from training.compilation import compile_regions
+
+    torch._dynamo.reset()
+    model, opt, step = _setup("cuda", capturable=True)
+    compile_regions(model)
+    graphed = GraphedStep(step, opt, warmup=2)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        window = torch.randint(256, (4, 33), generator=g).cuda()
+        loss, _ = graphed(window[:, :-1], window[:, 1:])  # strides (33, 1), not contiguous
+        assert torch.isfinite(loss)
+    assert graphed.captured and graphed.static_inputs[0].stride() == (33, 1)
+    torch._dynamo.reset()
+
+
+@requires_cuda
 def test_a_new_shape_after_capture_is_refused_with_both_shapes():
     _, opt, step = _setup("cuda", capturable=True)
     graphed = GraphedStep(step, opt, warmup=1)
