@@ -308,8 +308,8 @@ def _autotuned(kernel: str):
 
 
 # The config the autotuner chose, per kernel and autotune key. Later calls with that key launch the kernel with it
-# directly: going through the Autotuner again costs about 13 us of host time per launch (37 against 24 us measured
-# on the H100, tests/gpu/flash_host_breakdown.py), and short sequences are bound by host time.
+# directly: going through the Autotuner again costs 12-20 us more host time per launch (37-46 against 24-25 us in
+# two runs on the H100, tests/gpu/flash_host_breakdown.py), and short sequences are bound by host time.
 _tuned: dict[tuple, Tiles] = {}
 
 
