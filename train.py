@@ -295,16 +295,19 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
         step_model = torch.compile(step_model)
     autocast = torch.autocast(device.type, dtype=DTYPES[args.dtype], enabled=args.dtype != "fp32")
     max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
-    graphed = None
-    if args.cuda_graph:
-        def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            loss = lm_loss(step_model, x, y, autocast)  # no scaler: bf16 and fp32 need none
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            optimizer.step()
-            return loss.detach(), grad_norm
 
-        graphed = GraphedStep(train_step, optimizer, warmup=2)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, clipping and AdamW; (loss, grad norm). The scaler is a no-op unless fp16, which
+        --cuda-graph refuses: its inf checks read values on the host, which a captured step cannot."""
+        loss = lm_loss(step_model, x, y, autocast)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.detach(), grad_norm
+
+    graphed = GraphedStep(train_step, optimizer, warmup=2) if args.cuda_graph else None
 
     n_params, n_non_embed = model.num_params(), model.num_params(non_embedding=True)
     tokens_per_step = args.batch_size * args.context_length  # global: all ranks together
@@ -331,14 +334,9 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
             x, y = batch_at(train_tokens, args.batch_size, args.context_length, args.seed, step,
                             rank=ctx.rank, world_size=ctx.world_size, device=device)
             if graphed is not None:
-                loss, grad_norm = graphed(x, y)
+                loss, grad_norm = graphed(x, y)  # sets the gradients to None itself before each eager step
             else:
-                loss = lm_loss(step_model, x, y, autocast)
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                scaler.step(optimizer)
-                scaler.update()
+                loss, grad_norm = train_step(x, y)
                 optimizer.zero_grad(set_to_none=True)
             step += 1
             window_steps += 1
