@@ -180,6 +180,10 @@ def _kernels():
     return _kernel_module
 
 
+# Constant to torch.compile: Dynamo calls it while tracing instead of tracing it. Traced, its read of _kernel_module
+# became a guard on that global, which the first compiled call then sets (flash_op loads the kernels while the
+# compiler runs it on fake tensors), and Dynamo failed building a guard on a module ("Unexpected type").
+@torch.compiler.assume_constant_result
 def _interpreting() -> bool:
     """Whether kernels run in the Triton CPU interpreter: fixed once the kernels are loaded."""
     if _kernel_module is not None:
@@ -318,21 +322,26 @@ def _tiles_of(config) -> Tiles:
 
 
 def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: dict, like: torch.Tensor,
-            tiles: Optional[Tiles]) -> None:
+            tiles: Optional[Tiles], traceable: bool = False) -> None:
     """Run `kernel` over a (tiles of its own axis, bh) grid, with `tiles` or the mode's choice of tiles.
 
-    seq_lens is (n_q, n_k); the dK/dV kernel owns key tiles, the others query tiles."""
+    seq_lens is (n_q, n_k); the dK/dV kernel owns key tiles, the others query tiles. `traceable` launches through
+    torch.library.wrap_triton, as a triton_op must, so that torch.compile sees the kernel (see flash_op)."""
     n_rows_of_grid = seq_lens[1] if kernel == "dkdv" else seq_lens[0]
     grid_block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"  # the tile each program owns
     jit_fn = getattr(_kernels(), _KERNEL_NAMES[kernel])
+    wrap = torch.library.wrap_triton if traceable else (lambda fn: fn)
     if tiles is None and not _interpreting() and _autotune_enabled():
         # What the autotuner keys on (_AUTOTUNE_KEY and the dtypes, which follow q's), plus the device.
         key = (kernel, *seq_lens, meta["D"], meta["CAUSAL"], like.dtype, like.device)
         tiles = _tuned.get(key)
         if tiles is None:
+            # Traced, the autotuner is handed to Inductor, which tunes it when the compiled code first runs; it
+            # records nothing here.
             tuner = _autotuned(kernel)
-            tuner[lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)](*args, **meta)
-            _tuned[key] = _tiles_of(tuner.best_config)
+            wrap(tuner)[lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)](*args, **meta)
+            if not traceable:
+                _tuned[key] = _tiles_of(tuner.best_config)
             return
     if tiles is None:
         if _interpreting():
@@ -341,7 +350,7 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: 
             limit = _smem_limit(like.device.index or 0)
             tiles = _default_tiles(kernel, meta["BLOCK_D"], like.element_size(), limit)
     own = tiles.block_n if kernel == "dkdv" else tiles.block_m
-    jit_fn[(triton.cdiv(n_rows_of_grid, own), bh)](
+    wrap(jit_fn)[(triton.cdiv(n_rows_of_grid, own), bh)](
         *args, **meta, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -359,7 +368,8 @@ def _meta(q: torch.Tensor, causal: bool) -> dict:
 
 
 def flash_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, tiles: Optional[Tiles] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, tiles: Optional[Tiles] = None,
+    traceable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for validated inputs; o like q, lse fp32 of shape q.shape[:-1]. `tiles` forces a config."""
     q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
@@ -372,13 +382,13 @@ def flash_forward(
     args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
             h, n_q, n_k, scale * math.log2(math.e))
     with _on_device_of(q):
-        _launch("fwd", (n_q, n_k), b * h, args, _meta(q, causal), q, tiles)
+        _launch("fwd", (n_q, n_k), b * h, args, _meta(q, causal), q, tiles, traceable)
     return o, lse
 
 
 def flash_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
+    causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by recomputation from lse. `tiles` ({"dkdv": ..., "dq": ...}) forces configs."""
     tiles = tiles or {}
@@ -393,16 +403,17 @@ def flash_backward(
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     qk_scale = scale * math.log2(math.e)
     with _on_device_of(q):
-        _kernels().attn_bwd_delta[(triton.cdiv(n_q, DELTA_BLOCK_M), b * h)](
+        delta_kernel = _kernels().attn_bwd_delta
+        (torch.library.wrap_triton(delta_kernel) if traceable else delta_kernel)[(triton.cdiv(n_q, DELTA_BLOCK_M), b * h)](
             o4, do4, delta, *_strides(o4), *_strides(do4), h, n_q,
             D=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=DELTA_BLOCK_M,
         )
         args = (q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
                 *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale)
-        _launch("dkdv", (n_q, n_k), b * h, args, meta, q, tiles.get("dkdv"))
+        _launch("dkdv", (n_q, n_k), b * h, args, meta, q, tiles.get("dkdv"), traceable)
         args = (q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
                 *_strides(dq4), h, n_q, n_k, qk_scale, scale)
-        _launch("dq", (n_q, n_k), b * h, args, meta, q, tiles.get("dq"))
+        _launch("dq", (n_q, n_k), b * h, args, meta, q, tiles.get("dq"), traceable)
     return dq, dk, dv
 
 
@@ -434,38 +445,57 @@ class FlashAttentionTriton(torch.autograd.Function):
 )
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     if torch.compiler.is_compiling():  # the check runs while tracing, not on every call of the compiled code
-        return flash_op(q, k, v, causal, _check(q, k, v, causal, scale))[0]
+        op = flash_opaque_op if _interpreting() else flash_op
+        return op(q, k, v, causal, _check(q, k, v, causal, scale))[0]
     # Eager: the autograd.Function (it checks the inputs itself), whose host time per forward+backward measured
     # 0.78 ms against the custom op's 1.18 ms on the H100 at B4 H20 N1024 (results/README.md); short sequences
     # are bound by host time.
     return FlashAttentionTriton.apply(q, k, v, causal, scale)
 
 
-# The same kernels as PyTorch custom operators, which is what the registry's "flash" runs under torch.compile.
-# torch.compile treats a custom op as one opaque kernel with a known output shape (the fake functions below), so
-# a compiled model calls the kernels as they are. Without it, Dynamo traces into the triton.autotune wrapper and
-# its pruning hook, and Inductor fails to compile them. Both paths save the same tensors and run the same kernels.
-@torch.library.custom_op("flash_lm::flash_attn_fwd", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)")
-def flash_op(q, k, v, causal, scale):
+# The same kernels as PyTorch operators, which is what the registry's "flash" runs under torch.compile. Without
+# them, Dynamo traces into the triton.autotune wrapper and its pruning hook, and Inductor fails to compile them.
+# On the GPU: triton_op, which lets the compiler see the Triton kernels inside. Inductor launches them from its
+# generated code with its own launcher, as it does its own kernels, and the backward joins the compiled backward
+# graph. An opaque custom op instead costs a Python dispatch and Triton's launcher per call: with it, a compiled
+# `small` model trained 30% slower with flash than with sdpa on the H100 (results/README.md).
+# In the CPU interpreter: custom_op. The compiler cannot trace interpreted kernels (torch.library.wrap_triton hands
+# them back unwrapped), so it gets one opaque op with known output shapes (the fake functions below).
+# All paths save the same tensors and run the same kernels.
+@torch.library.triton_op("flash_lm::flash_attn_fwd", mutates_args=())
+def flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of validated inputs: o like q (contiguous), lse fp32 shaped q.shape[:-1]."""
+    return flash_forward(q, k, v, causal, scale, traceable=True)
+
+
+@torch.library.triton_op("flash_lm::flash_attn_bwd", mutates_args=())
+def flash_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                      do: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), each contiguous and shaped like its input."""
+    return flash_backward(q, k, v, o, lse, do, causal, scale, traceable=True)
+
+
+@torch.library.custom_op("flash_lm::flash_attn_fwd_opaque", mutates_args=())
+def flash_opaque_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_op as one opaque operator: what a compiled model runs in the CPU interpreter."""
     return flash_forward(q, k, v, causal, scale)
 
 
-@flash_op.register_fake
+@flash_opaque_op.register_fake
 def _(q, k, v, causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("flash_lm::flash_attn_bwd", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal, "
-                                "float scale) -> (Tensor, Tensor, Tensor)")
-def flash_backward_op(q, k, v, o, lse, do, causal, scale):
-    """(dq, dk, dv), each contiguous and shaped like its input."""
+@torch.library.custom_op("flash_lm::flash_attn_bwd_opaque", mutates_args=())
+def flash_backward_opaque_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                             do: torch.Tensor, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_backward(q, k, v, o, lse, do, causal, scale)
 
 
-@flash_backward_op.register_fake
+@flash_backward_opaque_op.register_fake
 def _(q, k, v, o, lse, do, causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -477,10 +507,14 @@ def _save_for_backward(ctx, inputs, output) -> None:
     ctx.causal, ctx.scale = causal, scale
 
 
-def _flash_op_backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+def _backward_with(backward_op):
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+    return backward
 
 
-flash_op.register_autograd(_flash_op_backward, setup_context=_save_for_backward)
+flash_op.register_autograd(_backward_with(flash_backward_op), setup_context=_save_for_backward)
+flash_opaque_op.register_autograd(_backward_with(flash_backward_opaque_op), setup_context=_save_for_backward)

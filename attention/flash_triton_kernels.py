@@ -99,6 +99,9 @@ def attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """O = softmax(scale q k^T) v for one query tile of one (batch, head); L = logsumexp (natural log)."""
+    # Inductor passes Python floats as fp64 when it launches the kernel (flash_op under torch.compile); fp64 scores
+    # would promote the whole softmax and the accumulator.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     # Causal: the last query tiles do the most work, so launch them first for a better tail.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -236,6 +239,7 @@ def attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV for one key tile of one (batch, head): k and v stay on chip, query tiles stream past."""
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 from Inductor, see attn_fwd
     pid_n = tl.program_id(0)  # causal: the first key tiles have the most query tiles, and launch first
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -341,6 +345,7 @@ def attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ for one query tile of one (batch, head): q, dO, L, delta stay on chip, key tiles stream past."""
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 from Inductor, see attn_fwd
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: heaviest query tiles first
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)

@@ -1,6 +1,7 @@
-"""Under torch.compile the registry's "flash" runs as a pair of custom ops: the same results as
-FlashAttentionTriton.apply (what eager calls), and one opaque kernel to the compiler (fullgraph: no graph
-break), inside a compiled model too."""
+"""Under torch.compile the registry's "flash" runs as a pair of torch.library operators: triton_ops on the GPU, whose
+kernels Inductor launches itself, opaque custom ops in the CPU interpreter. Both give the same results as
+FlashAttentionTriton.apply (what eager calls) and compile without a graph break (fullgraph), inside a compiled model
+too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from attention import get_attention
-from attention.flash_triton import FlashAttentionTriton, flash_op
+from attention.flash_triton import FlashAttentionTriton, flash_op, flash_opaque_op
 from model import ModelConfig, TransformerLM
 from training.compilation import compile_regions
 
@@ -28,10 +29,11 @@ def grads_of(fn, inputs, seed=1):
     return (out, *torch.autograd.grad(out, inputs, do))
 
 
+@pytest.mark.parametrize("op", [flash_op, flash_opaque_op], ids=["triton_op", "custom_op"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_custom_op_equals_the_autograd_function_bitwise(causal):
+def test_operators_equal_the_autograd_function_bitwise(op, causal):
     inputs = qkv()
-    ours = grads_of(lambda q, k, v: flash_op(q, k, v, causal, 32**-0.5)[0], inputs)
+    ours = grads_of(lambda q, k, v: op(q, k, v, causal, 32**-0.5)[0], inputs)
     ref = grads_of(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal), inputs)
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)
@@ -51,6 +53,29 @@ def test_compiles_in_one_graph_and_matches_eager():
     tol = 2e-2 if DTYPE == torch.bfloat16 else 1e-5
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not CUDA, reason="Inductor launches the Triton kernels itself on the GPU only")
+def test_inductor_launches_the_kernels_itself(monkeypatch):
+    from torch._inductor.utils import run_and_get_code
+
+    from attention import flash_triton
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(flash_triton, "_kernel_module", None)  # first use under compile loads the kernels
+    flash = get_attention("flash")
+    inputs = qkv(seed=3)
+
+    compiled = torch.compile(lambda q, k, v: flash(q, k, v, causal=True), fullgraph=True)
+
+    def step():  # the backward graph is compiled at the first backward
+        compiled(*inputs).float().square().sum().backward()
+
+    _, code = run_and_get_code(step)
+    code = "\n".join(code)
+    for kernel in ("attn_fwd", "attn_bwd_delta", "attn_bwd_dkdv", "attn_bwd_dq"):
+        assert kernel in code
+    assert "flash_lm" not in code  # no call back into an operator: the generated code launches the kernels
 
 
 def test_model_with_flash_trains_under_regional_compile():

@@ -74,13 +74,13 @@ def profile_host(shape=(4, 20, 1024, 64), calls: int = 50) -> None:
 
 
 def compare_paths(shape=(4, 20, 1024, 64), calls: int = 100) -> None:
-    """Host ms per fwd+bwd call through the custom op (the registry) and through FlashAttentionTriton.apply."""
+    """Host ms per fwd+bwd call through the eager registry and through FlashAttentionTriton.apply."""
     from attention.flash_triton import FlashAttentionTriton
 
     q, k, v, do = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_()
-    paths = {"custom op": get_attention("flash"),
+    paths = {"registry": get_attention("flash"),
              "autograd.Function": lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal)}
     for name, attend in paths.items():
         run = fwd_bwd(attend, q, k, v, do)
