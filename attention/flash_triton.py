@@ -39,6 +39,10 @@ register estimate), keyed on the sequence lengths, head dim, causal and dtype, w
 disk when the installed triton supports it. FLASH_ATTN_AUTOTUNE=0 uses one fixed config per kernel
 (DEFAULT_TILES) instead, e.g. for quick test runs. Under TRITON_INTERPRET=1 (CPU) the one small
 INTERPRET_TILES config runs. The kernels themselves are in flash_triton_kernels.py.
+
+torch.compile. Eager code calls the autograd.Function. Compiled code calls the flash_op / flash_backward_op
+triton_ops at the bottom of this file: Inductor launches the kernels itself and runs the same autotuner (or the
+tiles an eager call already chose for that shape). In the CPU interpreter it calls opaque custom ops instead.
 """
 
 from __future__ import annotations
@@ -321,25 +325,28 @@ def _tiles_of(config) -> Tiles:
     return Tiles(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
 
 
+def _launchable(fn, traceable: bool):
+    """fn itself, or fn through torch.library.wrap_triton, as a triton_op must launch it to be seen by torch.compile."""
+    return torch.library.wrap_triton(fn) if traceable else fn
+
+
 def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: dict, like: torch.Tensor,
             tiles: Optional[Tiles], traceable: bool = False) -> None:
     """Run `kernel` over a (tiles of its own axis, bh) grid, with `tiles` or the mode's choice of tiles.
 
-    seq_lens is (n_q, n_k); the dK/dV kernel owns key tiles, the others query tiles. `traceable` launches through
-    torch.library.wrap_triton, as a triton_op must, so that torch.compile sees the kernel (see flash_op)."""
+    seq_lens is (n_q, n_k); the dK/dV kernel owns key tiles, the others query tiles. `traceable`: see _launchable."""
     n_rows_of_grid = seq_lens[1] if kernel == "dkdv" else seq_lens[0]
     grid_block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"  # the tile each program owns
     jit_fn = getattr(_kernels(), _KERNEL_NAMES[kernel])
-    wrap = torch.library.wrap_triton if traceable else (lambda fn: fn)
     if tiles is None and not _interpreting() and _autotune_enabled():
         # What the autotuner keys on (_AUTOTUNE_KEY and the dtypes, which follow q's), plus the device.
         key = (kernel, *seq_lens, meta["D"], meta["CAUSAL"], like.dtype, like.device)
         tiles = _tuned.get(key)
         if tiles is None:
-            # Traced, the autotuner is handed to Inductor, which tunes it when the compiled code first runs; it
-            # records nothing here.
+            # Traced, the autotuner goes to Inductor, which tunes it when the compiled code first runs and keeps the
+            # choice in its own on-disk autotune cache; nothing is recorded here.
             tuner = _autotuned(kernel)
-            wrap(tuner)[lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)](*args, **meta)
+            _launchable(tuner, traceable)[lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)](*args, **meta)
             if not traceable:
                 _tuned[key] = _tiles_of(tuner.best_config)
             return
@@ -350,7 +357,7 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: 
             limit = _smem_limit(like.device.index or 0)
             tiles = _default_tiles(kernel, meta["BLOCK_D"], like.element_size(), limit)
     own = tiles.block_n if kernel == "dkdv" else tiles.block_m
-    wrap(jit_fn)[(triton.cdiv(n_rows_of_grid, own), bh)](
+    _launchable(jit_fn, traceable)[(triton.cdiv(n_rows_of_grid, own), bh)](
         *args, **meta, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -403,8 +410,7 @@ def flash_backward(
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     qk_scale = scale * math.log2(math.e)
     with _on_device_of(q):
-        delta_kernel = _kernels().attn_bwd_delta
-        (torch.library.wrap_triton(delta_kernel) if traceable else delta_kernel)[(triton.cdiv(n_q, DELTA_BLOCK_M), b * h)](
+        _launchable(_kernels().attn_bwd_delta, traceable)[(triton.cdiv(n_q, DELTA_BLOCK_M), b * h)](
             o4, do4, delta, *_strides(o4), *_strides(do4), h, n_q,
             D=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=DELTA_BLOCK_M,
         )
