@@ -317,8 +317,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def sweep_points(args: argparse.Namespace) -> list[Point]:
     """Every configuration, in the order they run: size, backend, dtype, compile, context, mode."""
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
+    on_off = {"off": [False], "on": [True], "both": [False, True]}  # --compile and --cuda-graph
+    compiles, graphs = on_off[args.compile], on_off[args.cuda_graph]
     # The peer has its own attention (SDPA) and is compiled whole, as a user would: one row per other setting.
     variants = [("ours", attn) for attn in args.attn if "ours" in args.impl] + [("hf", "sdpa")] * ("hf" in args.impl)
     return [
