@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import pickle
 import re
 import shlex
 import sys
@@ -37,7 +38,7 @@ from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
 from benchmarking.timing import peak_allocated_bytes, reset_peak_memory, summarize, synchronize
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
-from profiling.memory_snapshot import VIEWER_URL, record_memory_history, snapshot_unavailable
+from profiling.memory_snapshot import VIEWER_URL, format_peak, peak_report, record_memory_history, snapshot_unavailable
 from profiling.torch_profile import kernel_markdown, profile_steps
 from training import distributed
 from training.compilation import COMPILE_SCOPES, compile_regions
@@ -532,7 +533,8 @@ def run_point(point: Point, args: argparse.Namespace, single: bool,
             for _ in range(args.snapshot_steps):
                 runner.step(ids, targets)
             synchronize(device)
-        tqdm.write(f"memory snapshot: {path} (drag it onto {VIEWER_URL})")
+        tqdm.write(format_peak(peak_report(pickle.loads(path.read_bytes()), device.index or 0), top=12))
+        tqdm.write(f"memory snapshot: {path} (drag it onto {VIEWER_URL}, or python -m profiling.memory_snapshot)")
     if args.explain_memory and point.impl == "ours":  # the accounting describes our model
         figures["explanation"] = explain_point(point, runner, ids, targets, peak)
         tqdm.write(figures["explanation"])

@@ -258,6 +258,18 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _alloc_like(t: torch.Tensor) -> torch.Tensor:
+    """An output shaped like t and, up to 4 dims, in t's memory order.
+
+    A (batch, heads, seq, d) view of (batch, seq, heads, d) storage gets an output in that order, so the caller's
+    "b h s d -> b s (h d)" is a view, as after cuDNN SDPA. Above 4 dims: contiguous, which _as_bhsd can view.
+    """
+    if t.dim() > 4:
+        return _alloc(tuple(t.shape), t.dtype, t.device)
+    out = torch.empty_like(t)
+    return out.fill_(float("nan")) if _poison_outputs else out
+
+
 def _dot_precision(dtype: torch.dtype, block_d: int) -> str:
     # fp32: 3xTF32, fp32-accurate on tensor cores (see the design note). 16-bit inputs ignore it.
     # Head dims above 128 keep "ieee": with tf32x3, fp32 d_head 256 hit an illegal memory access on the H100
@@ -382,8 +394,8 @@ def flash_forward(
     q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
     b, h, n_q, d = q4.shape
     n_k = k4.shape[-2]
-    # Outputs are allocated in the caller's shape, contiguous; the kernel writes through (b, h, ...) views.
-    o = _alloc(tuple(q.shape), q.dtype, q.device)
+    # Outputs are allocated in the caller's shape; the kernel writes through (b, h, ...) views.
+    o = _alloc_like(q)
     lse = _alloc(tuple(q.shape[:-1]), torch.float32, q.device)
     o4 = _as_bhsd(o)
     args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
@@ -406,7 +418,7 @@ def flash_backward(
 
     delta = _alloc((b, h, n_q), torch.float32, q.device)
     lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
-    dq, dk, dv = (_alloc(tuple(t.shape), t.dtype, t.device) for t in (q, k, v))
+    dq, dk, dv = (_alloc_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     qk_scale = scale * math.log2(math.e)
     with _on_device_of(q):
@@ -471,14 +483,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 @torch.library.triton_op("flash_lm::flash_attn_fwd", mutates_args=())
 def flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of validated inputs: o like q (contiguous), lse fp32 shaped q.shape[:-1]."""
+    """(o, lse) of validated inputs: o like q (its memory order up to 4 dims), lse fp32 shaped q.shape[:-1]."""
     return flash_forward(q, k, v, causal, scale, traceable=True)
 
 
 @torch.library.triton_op("flash_lm::flash_attn_bwd", mutates_args=())
 def flash_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                       do: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), each contiguous and shaped like its input."""
+    """(dq, dk, dv), each shaped like its input (and in its memory order up to 4 dims)."""
     return flash_backward(q, k, v, o, lse, do, causal, scale, traceable=True)
 
 
@@ -491,7 +503,7 @@ def flash_opaque_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 @flash_opaque_op.register_fake
 def _(q, k, v, causal, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _alloc_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_lm::flash_attn_bwd_opaque", mutates_args=())
@@ -503,7 +515,7 @@ def flash_backward_opaque_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 @flash_backward_opaque_op.register_fake
 def _(q, k, v, o, lse, do, causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _alloc_like(q), _alloc_like(k), _alloc_like(v)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:

@@ -107,9 +107,7 @@ def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device
     sec.add("attn RMSNorm: x*rsqrt (fp32) and rsqrt", 4 * btd + 4 * B * T, "B*T*d*4 + B*T*4")
     sec.add("qkv input (RMSNorm output" + (", bf16 cast)" if a == BF16 else ")"), a * btd, f"B*T*d*{a_name}")
     sec.add("RoPE'd q and k", 2 * a * btd, f"2*B*T*d*{a_name}")
-    sec.add("v (contiguous copy for the batched matmul)" if cfg.attn in MATERIALISING_BACKENDS else "v (view of the qkv output)",
-            a * btd if cfg.attn in MATERIALISING_BACKENDS else 3 * a * btd,
-            f"B*T*d*{a_name}" if cfg.attn in MATERIALISING_BACKENDS else f"3*B*T*d*{a_name} (keeps q,k,v alive)")
+    sec.add("v (its own copy, not a view that would keep the qkv output alive)", a * btd, f"B*T*d*{a_name}")
     if cfg.attn in MATERIALISING_BACKENDS:
         sec.add("causal mask (bool)", T * T, "T^2")
         if a == BF16 and device_type == "cuda":
@@ -118,10 +116,12 @@ def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device
             sec.add("attention probs, bf16 copy for probs @ v", BF16 * B * h * T * T, "B*h*T^2*2")
         else:  # fp32, or CPU autocast, which keeps softmax in bf16
             sec.add("attention probs (softmax output)", a * B * h * T * T, f"B*h*T^2*{a_name}")
+        sec.add("out-proj input (heads merged: a copy of probs @ v)", a * btd, f"B*T*d*{a_name}")
     else:
-        sec.add("attention output o (saved by the fused kernel)", a * btd, f"B*T*d*{a_name}")
+        # o comes in q's (batch, seq, heads, d) memory order, so merging the heads for the out-projection is a view.
+        sec.add("attention output o (saved by the fused kernel; the out-proj input views it)", a * btd,
+                f"B*T*d*{a_name}")
         sec.add("softmax logsumexp (fp32)", 4 * B * h * T, "B*h*T*4")
-    sec.add("out-proj input (heads merged)", a * btd, f"B*T*d*{a_name}")
     sec.add("residual after attention (fp32; FFN RMSNorm input)", 4 * btd, "B*T*d*4")
     sec.add("FFN RMSNorm: x*rsqrt (fp32) and rsqrt", 4 * btd + 4 * B * T, "B*T*d*4 + B*T*4")
     # Autocast casts the (fp32) norm output once per matmul, so w1 and w3 each keep their own bf16 copy.

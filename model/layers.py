@@ -90,9 +90,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (..., seq, d_head); positions: (seq,) ints below max_seq_len, default 0..seq-1."""
-        seq = x.shape[-2]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, seq_dim: int = -2) -> torch.Tensor:
+        """x: (..., seq, d_head), or seq at `seq_dim` < -2, e.g. -3 for (batch, seq, heads, d_head);
+        positions: (seq,) ints below max_seq_len, default 0..seq-1."""
+        if seq_dim > -2:
+            raise ValueError(f"seq_dim must be -2 or further left (counted from d_head = -1), got {seq_dim}")
+        seq = x.shape[seq_dim]
         if positions is None:
             if seq > self.max_seq_len:
                 raise ValueError(f"RoPE tables cover {self.max_seq_len} positions; got a sequence of {seq}")
@@ -101,6 +104,8 @@ class RotaryEmbedding(nn.Module):
             if not torch.compiler.is_compiling() and int(positions.max()) >= self.max_seq_len:
                 raise ValueError(f"RoPE tables cover positions < {self.max_seq_len}; got {int(positions.max())}")
             cos, sin = self.cos[positions], self.sin[positions]
-        x1, x2 = einx.id("... s (half two) -> two ... s half", x.float(), two=2)
+        # (seq, half) -> (seq, 1, ..., half): broadcast over the dims between seq and d_head.
+        cos, sin = (t.view(seq, *[1] * (-seq_dim - 2), t.shape[-1]) for t in (cos, sin))
+        x1, x2 = einx.id("... (half two) -> two ... half", x.float(), two=2)
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos))
-        return einx.id("two ... s half -> ... s (half two)", rotated).to(x.dtype)
+        return einx.id("two ... half -> ... (half two)", rotated).to(x.dtype)

@@ -98,6 +98,15 @@ def test_memory_snapshot_on_cpu_fails_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "s.pickle").exists()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="memory snapshots need CUDA")
+def test_memory_snapshot_on_cuda_prints_what_is_live_at_the_peak(tmp_path, capsys):
+    bench_model.main([*TINY, "--context-lengths", "16", "--mode", "train-step", "--device", "cuda",
+                      "--memory-snapshot", str(tmp_path / "s.pickle"), "--snapshot-steps", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "peak allocated in the window" in out and "allocated before recording" in out
+    assert list(tmp_path.glob("s*.pickle"))
+
+
 def test_injected_oom_gives_an_oom_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(INJECT_OOM_ENV, "T=32")
     rows = bench_model.main([*TINY, "--context-lengths", "16,32,48", "--mode", "forward",

@@ -6,7 +6,7 @@ compiling each block's forward instead gives one graph that every block reuses: 
 code object (`Block.forward`, shared by all blocks) and its guards do not name the block (parameters are graph
 inputs, not constants: `inline_inbuilt_nn_modules`, always on in recent PyTorch). Compile time is about one
 block's, whatever the depth; tests/training/test_compilation.py checks that n blocks trigger a single compile
-(RotaryEmbedding computes its tables in the graph, so filling its eager cache does not trigger a second one).
+(RotaryEmbedding's tables are buffers: graph inputs, like the parameters, not constants of one block).
 
 `loss_from_hidden` (final norm, LM head, fp32 upcast, cross-entropy) is compiled as one more region: Inductor
 fuses the upcast into the log-softmax, so no eager code writes a (batch, seq, vocab) fp32 logits tensor (under bf16

@@ -60,6 +60,22 @@ def test_every_output_element_is_written(monkeypatch, causal, n_q, n_k):
         assert not t.isnan().any(), f"{name} has {int(t.isnan().sum())} elements the kernels never wrote"
 
 
+def test_outputs_follow_the_memory_order_of_their_inputs(monkeypatch):
+    """(b, h, s, d) views of (b, s, h, d) storage get o and grads in that order (every element written); 5-d inputs
+    get contiguous ones, which the kernels can address as (b * h, s, d)."""
+    monkeypatch.setattr(flash_triton, "_poison_outputs", True)
+    q, k, v = (randn(2, 40, 3, 32, seed=s).transpose(1, 2).requires_grad_() for s in range(3))
+    o = FlashAttentionTriton.apply(q, k, v, True)
+    grads = torch.autograd.grad(o, (q, k, v), randn(*o.shape, seed=3))
+    for name, t, like in zip(("o", "dq", "dk", "dv"), (o, *grads), (q, q, k, v)):
+        assert t.stride() == like.stride(), f"{name} has strides {t.stride()}, its input {like.stride()}"
+        assert not t.isnan().any(), f"{name} has elements the kernels never wrote"
+    assert o.transpose(1, 2).is_contiguous()  # so "b h s d -> b s (h d)" is a view
+    q5, k5, v5 = (randn(2, 2, 2, 24, 16, seed=s).requires_grad_() for s in range(3))
+    o5 = FlashAttentionTriton.apply(q5, k5, v5, False)
+    assert o5.is_contiguous() and all(g.is_contiguous() for g in torch.autograd.grad(o5.sum(), (q5, k5, v5)))
+
+
 # Padded keys overflow exp2 in rows that are computed but never stored; the CPU interpreter (numpy) warns.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -37,6 +37,33 @@ def test_attention_backend_is_chosen_by_name(attn):
         torch.testing.assert_close(other(ids), ref(ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "flash"])
+def test_attention_saves_no_view_of_the_qkv_projection_and_merges_heads_in_place(attn):
+    """What a block keeps for backward: v on its own storage, and the out-projection's input a view of o."""
+    from tests.conftest import DEVICE
+
+    torch.manual_seed(0)
+    attention = TransformerLM(ModelConfig(**TINY, attn=attn)).to(DEVICE).blocks[0].attn
+    seen = {}
+    # The hook holds the qkv output itself, so its address cannot be reused by a later tensor while we compare.
+    attention.qkv.register_forward_hook(
+        lambda m, i, out: seen.update(qkv_tensor=out, qkv=out.untyped_storage().data_ptr()))
+    attention.out.register_forward_pre_hook(lambda m, i: seen.update(out_in=i[0].untyped_storage().data_ptr()))
+    attend = attention.attend
+    attention.attend = lambda *a, **kw: (o := attend(*a, **kw), seen.update(o=o.untyped_storage().data_ptr()))[0]
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    x = torch.randn(2, 24, TINY["d_model"], device=DEVICE, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(x).sum().backward()
+    assert seen["qkv"] not in saved, "a view of the fused qkv output was saved: it keeps q, k and v alive"
+    assert seen["out_in"] == seen["o"], "merging the heads copied o"
+
+
 def test_targets_give_the_mean_cross_entropy_of_the_logits():
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(**TINY))
