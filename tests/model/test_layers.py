@@ -68,6 +68,19 @@ def test_rope_tables_are_buffers_outside_checkpoints():
         rope(x, positions=torch.arange(1, 13))  # 12 positions, the last out of range
 
 
+@pytest.mark.parametrize("positions", [None, torch.arange(3, 10)])
+def test_rope_with_seq_before_the_heads_matches_the_heads_first_layout(positions):
+    """(batch, seq, heads, d) with seq_dim=-3 rotates as (batch, heads, seq, d) does, from the same tables."""
+    rope = RotaryEmbedding(16, max_seq_len=12)
+    x = torch.randn(2, 7, 3, 16)  # (batch, seq, heads, d_head)
+    got = rope(x, positions=positions, seq_dim=-3)
+    want = rope(x.transpose(1, 2), positions=positions).transpose(1, 2)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert got.is_contiguous()  # a fresh (batch, seq, heads, d) tensor: the attention module relies on this order
+    with pytest.raises(ValueError, match="seq_dim must be -2 or further left"):
+        rope(x, seq_dim=-1)
+
+
 def test_rope_rejects_odd_head_dim():
     with pytest.raises(ValueError, match="even d_head"):
         RotaryEmbedding(7)
