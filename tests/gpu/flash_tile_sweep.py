@@ -1,7 +1,9 @@
 """Sweep the tiles of each flash kernel (the other kernels at their tuned config) on the leaderboard shapes, bf16.
 
 Prints the five fastest configs per kernel and shape, and the autotuner's pick. Feeds the SEARCH_SPACES of
-attention/flash_triton.py. Usage: PYTHONPATH=. python3 tests/gpu/flash_tile_sweep.py"""
+attention/flash_triton.py. Usage: PYTHONPATH=. python3 tests/gpu/flash_tile_sweep.py [fwd] [dkdv] [dq] (default: all)"""
+import sys
+
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
@@ -22,6 +24,7 @@ CANDIDATES = {
 
 
 def main():
+    kernels = sys.argv[1:] or list(CANDIDATES)
     shapes = [(1, 16, 16384, 64, True), (2, 16, 8192, 128, True), (2, 16, 8192, 64, False), (1, 16, 4096, 64, True)]
     for b, h, n, d, causal in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -32,7 +35,8 @@ def main():
         tuned = {kern: ft._tuned[(kern, n, n, d, causal, q.dtype, q.device)] for kern in ("fwd", "dkdv", "dq")}
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
         print(f"\n{(b, h, n, d, causal)} tuned {tuned}", flush=True)
-        for kern, cands in CANDIDATES.items():
+        for kern in kernels:
+            cands = CANDIDATES[kern]
             rows = []
             for t in cands:
                 try:
