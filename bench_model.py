@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per step (default 4); with --parallel, per GPU (weak scaling: each rank gets "
                         "--batch-size sequences, the global batch is N x --batch-size)")
     m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends, comma list (default sdpa)")
+    m.add_argument("--weight-grads", choices=["fp32", "autocast"], default="fp32",
+                   help="under bf16 autocast, Linear weight gradients written in fp32 by their matmul (default) or "
+                        "as plain autocast does (bf16, then cast); ours only")
     m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast), comma list")
     m.add_argument("--impl", nargs="+", default=["ours"],
                    help=f"{', '.join(IMPLS)}; comma list (default ours). hf is the peer, transformers' Llama "
@@ -189,7 +192,8 @@ class Point:
         who = "hf-llama" if self.impl == "hf" else self.cfg.attn
         return (f"{self.size} T={self.context_length} B={self.batch_size} {who} {self.dtype} "
                 f"compile={self.compile_scope if self.compile else 'off'} {self.mode}"
-                + (" cuda-graph" if self.cuda_graph else ""))
+                + (" cuda-graph" if self.cuda_graph else "")
+                + ("" if self.cfg.fp32_weight_grads or self.impl == "hf" else " dW=autocast"))
 
     @property
     def slug(self) -> str:
@@ -261,9 +265,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         try:
             if size == "custom":
                 args.configs[size] = ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                                                 d_ff=args.d_ff, vocab_size=args.vocab_size)
+                                                 d_ff=args.d_ff, vocab_size=args.vocab_size,
+                                                 fp32_weight_grads=args.weight_grads == "fp32")
             else:
-                args.configs[size] = config_for(size, vocab_size=args.vocab_size)
+                args.configs[size] = config_for(size, vocab_size=args.vocab_size,
+                                                fp32_weight_grads=args.weight_grads == "fp32")
         except ValueError as e:
             p.error(f"size {size!r}: {e}")
 

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=int, help="vocabulary; default 256 for byte-level text, else 10000")
     m.add_argument("--context-length", type=int, default=512, help="tokens per training sequence")
     m.add_argument("--attn", default="sdpa", help="attention backend from the registry (see README)")
+    m.add_argument("--weight-grads", choices=["fp32", "autocast"], default="fp32",
+                   help="under bf16/fp16 autocast, Linear weight gradients written in fp32 by their matmul (default) "
+                        "or as plain autocast does (low dtype, then cast)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
     o.add_argument("--steps", type=int, default=2000, help="optimizer steps in total")
@@ -130,7 +133,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     try:
         return config_for(args.size, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                          d_ff=args.d_ff, vocab_size=vocab_size, context_length=args.context_length, attn=args.attn)
+                          d_ff=args.d_ff, vocab_size=vocab_size, context_length=args.context_length, attn=args.attn,
+                          fp32_weight_grads=args.weight_grads == "fp32")
     except ValueError as e:
         raise TrainingError(str(e)) from None
 
@@ -233,8 +237,11 @@ def load_checkpoint(path: Path, model, optimizer, scaler, cfg: ModelConfig, ctx:
                                 f"resume with --parallel fsdp, or consolidate it first with "
                                 f"`python -m training.consolidate {other} {path}`")
     state = sharded_checkpoint.load_extras(path) if sharded else checkpoint.load(path)
-    if state["model_config"] != cfg.to_dict():
-        diff = {k: (v, cfg.to_dict()[k]) for k, v in state["model_config"].items() if cfg.to_dict()[k] != v}
+    asked = cfg.to_dict()
+    # A checkpoint from before a field existed lacks it; fp32_weight_grads changes how dW is computed, not the model.
+    saved = {**asked, **state["model_config"], "fp32_weight_grads": cfg.fp32_weight_grads}
+    if saved != asked:
+        diff = {k: (v, asked.get(k)) for k, v in saved.items() if asked.get(k) != v}
         raise TrainingError(f"checkpoint {path} was written for another model: (saved, asked) {diff}")
     if sharded:
         sharded_checkpoint.load(path, model, optimizer)

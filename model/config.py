@@ -15,6 +15,9 @@ class ModelConfig:
     context_length: int = 1024
     rope_theta: float = 10_000.0
     attn: str = "sdpa"  # attention backend name, looked up in the registry
+    # Under bf16/fp16 autocast, Linear weight gradients come out of the matmul in fp32 (model/layers.py); False: as
+    # plain autocast, rounded to the low dtype and then cast. Changes no parameter, only how dW is computed.
+    fp32_weight_grads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length"):

@@ -18,8 +18,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model)
-        self.out = Linear(cfg.d_model, cfg.d_model)
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, cfg.fp32_weight_grads)
+        self.out = Linear(cfg.d_model, cfg.d_model, cfg.fp32_weight_grads)
         self.rope = rope
         self.attend = get_attention(cfg.attn)
 
@@ -45,7 +45,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg, rope)
         self.ffn_norm = RMSNorm(cfg.d_model)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.fp32_weight_grads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -60,7 +60,7 @@ class TransformerLM(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, rope) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model)
-        self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.fp32_weight_grads)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """ids: (batch, seq) int64 -> logits (batch, seq, vocab), or the mean loss on targets (batch, seq)."""

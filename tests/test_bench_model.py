@@ -168,6 +168,13 @@ def test_sweep_order_and_compile_both():
     assert bench_model.parse_args([*TINY, "--compile"]).compile == "on"
 
 
+def test_weight_grads_flag_reaches_every_config_and_the_label():
+    default = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small"]))
+    assert all(p.cfg.fp32_weight_grads for p in default) and "dW=" not in default[0].label
+    plain = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", "--weight-grads", "autocast"]))
+    assert not any(p.cfg.fp32_weight_grads for p in plain) and plain[0].label.endswith(" dW=autocast")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_both_gives_a_graphed_row_beside_the_plain_one(tmp_path):
     rows = bench_model.main([*TINY, "--context-lengths", "32", "--attn", "sdpa", "--mode", "train-step",

@@ -139,6 +139,20 @@ def test_resume_with_another_model_is_refused(tmp_path, text_file, capsys):
     assert "was written for another model" in capsys.readouterr().err
 
 
+def test_resume_takes_an_older_checkpoint_and_another_weight_grad_mode(tmp_path, text_file):
+    # A checkpoint written before fp32_weight_grads existed lacks it; the mode changes no parameter, so a resume
+    # may also pick the other one.
+    code, _, out = run(tmp_path, text_file, "--steps", "2")
+    assert code == 0
+    state = checkpoint.load(out / "checkpoint.pt")
+    del state["model_config"]["fp32_weight_grads"]
+    checkpoint.save_atomic(state, out / "checkpoint.pt")
+    argv = [*TINY, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume", "--steps", "3",
+            "--weight-grads", "autocast"]
+    assert train.main(argv) == 0
+    assert checkpoint.load(out / "checkpoint.pt")["step"] == 3
+
+
 @pytest.mark.parametrize("scope, compiled, graphs", [("blocks", 2 + 1, 2 * 2), ("model", 1, 1 * 2)],
                          ids=["blocks", "model"])
 def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch, scope, compiled, graphs):

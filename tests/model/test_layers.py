@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from tests.conftest import DEVICE
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -92,6 +93,65 @@ def test_linear_init_is_truncated_normal_with_fan_std():
     w = lin.weight.detach()
     assert abs(w.std().item() - std * 0.986) < 0.02 * std  # a normal cut at +-3 std keeps 0.986 of its std
     assert w.abs().max().item() <= 3 * std + 1e-6
+
+
+def _linear_pair(d_in: int, d_out: int) -> tuple[Linear, Linear]:
+    """The same weights twice: fp32 weight gradients, and plain autocast (F.linear)."""
+    ours, plain = Linear(d_in, d_out).to(DEVICE), Linear(d_in, d_out, fp32_weight_grad=False).to(DEVICE)
+    with torch.no_grad():
+        plain.weight.copy_(ours.weight)
+    return ours, plain
+
+
+def _forward_backward(lin: Linear, x: torch.Tensor, dy: torch.Tensor, autocast_dtype, compiled: bool = False):
+    x = x.detach().clone().requires_grad_()
+    lin.weight.grad = None
+    fn = torch.compile(lin, dynamic=False) if compiled else lin
+    with torch.autocast(DEVICE, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        y = fn(x)
+    y.backward(dy)
+    return y, x.grad, lin.weight.grad
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 17, 48), (40, 48)])
+def test_linear_fp32_weight_grad_under_autocast(shape, autocast_dtype, x_dtype):
+    # y and dX are autocast's, bitwise; dW is the fp32 product of the low-dtype dY and X, unrounded.
+    ours, plain = _linear_pair(48, 80)
+    x = torch.randn(shape, device=DEVICE).to(x_dtype)
+    dy = torch.randn(*shape[:-1], 80, device=DEVICE).to(autocast_dtype)
+    y, dx, dw = _forward_backward(ours, x, dy, autocast_dtype)
+    y_ref, dx_ref, dw_plain = _forward_backward(plain, x, dy, autocast_dtype)
+    assert y.dtype == autocast_dtype and torch.equal(y, y_ref)
+    assert dx.dtype == x_dtype and torch.equal(dx, dx_ref)
+    assert dw.dtype == torch.float32
+    want = dy.double().flatten(0, -2).T @ x.to(autocast_dtype).double().flatten(0, -2)
+    err = ((dw.double() - want).abs().max() / want.abs().max()).item()
+    err_plain = ((dw_plain.double() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-6, err  # fp32 accumulation of exact products
+    assert err_plain > 1e-4, err_plain  # autocast rounds dW to the low dtype: the test can tell the two apart
+
+
+def test_linear_fp32_weight_grad_without_autocast_is_plain_linear():
+    ours, plain = _linear_pair(32, 24)
+    x, dy = torch.randn(5, 32, device=DEVICE), torch.randn(5, 24, device=DEVICE)
+    for got, want in zip(_forward_backward(ours, x, dy, None), _forward_backward(plain, x, dy, None)):
+        assert torch.equal(got, want)
+
+
+def test_linear_fp32_weight_grad_compiles():
+    # Dynamo traces the autograd Function and its backward into the compiled graphs: same values as eager.
+    ours, _ = _linear_pair(64, 96)
+    x = torch.randn(4, 16, 64, device=DEVICE)
+    dy = torch.randn(4, 16, 96, device=DEVICE).bfloat16()
+    eager = _forward_backward(ours, x, dy, torch.bfloat16)
+    compiled = _forward_backward(ours, x, dy, torch.bfloat16, compiled=True)
+    for got, want in zip(compiled, eager):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    want = dy.double().flatten(0, -2).T @ x.bfloat16().double().flatten(0, -2)
+    assert ((compiled[2].double() - want).abs().max() / want.abs().max()).item() < 1e-6  # still fp32 dW
 
 
 def test_embedding_init_cut_at_three():
