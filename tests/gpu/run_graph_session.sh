@@ -15,11 +15,7 @@ if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0 skips them
 fi
 common="--dtype bf16 --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn ${ATTN:-sdpa,flash} --impl ours,hf --cuda-graph both"
 for size in "${sizes[@]}"; do
-  case $size in
-    small) shape="--batch-size 16 --context-lengths 1024" ;;
-    large) shape="--batch-size 4 --context-lengths 1024" ;;
-    2.7B) shape="--batch-size 4 --context-lengths 512" ;;
-  esac
+  shape=$(step_shape $size)
   stage "$size: $shape"
   timeout ${STEP_TIMEOUT:-280} python3 bench_model.py --sizes $size $shape $common --out $R/step-$size > $R/step-$size.log 2>&1; echo "rc=$?"
 done

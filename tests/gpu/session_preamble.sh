@@ -11,3 +11,11 @@ gpu_suite() {
   FLASH_ATTN_AUTOTUNE=0 timeout ${SUITE_TIMEOUT:-240} python3 tests/gpu/run_gpu_suite.py --out $R/gpu-tests.json \
     -- tests/attention -n 14 -q > $R/gpu_suite.log 2>&1; echo "rc=$?"
 }
+# The training configs: batch and context per size (small, large, 2.7B).
+step_shape() {
+  case $1 in
+    small) echo "--batch-size 16 --context-lengths 1024" ;;
+    large) echo "--batch-size 4 --context-lengths 1024" ;;
+    2.7B) echo "--batch-size 4 --context-lengths 512" ;;
+  esac
+}
