@@ -261,15 +261,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     if given and "custom" not in args.sizes:
         args.sizes.append("custom")
     args.configs = {}
+    shared = {"vocab_size": args.vocab_size, "fp32_weight_grads": args.weight_grads == "fp32"}
     for size in args.sizes:
         try:
             if size == "custom":
                 args.configs[size] = ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                                                 d_ff=args.d_ff, vocab_size=args.vocab_size,
-                                                 fp32_weight_grads=args.weight_grads == "fp32")
+                                                 d_ff=args.d_ff, **shared)
             else:
-                args.configs[size] = config_for(size, vocab_size=args.vocab_size,
-                                                fp32_weight_grads=args.weight_grads == "fp32")
+                args.configs[size] = config_for(size, **shared)
         except ValueError as e:
             p.error(f"size {size!r}: {e}")
 
