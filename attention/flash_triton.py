@@ -40,6 +40,13 @@ disk when the installed triton supports it. FLASH_ATTN_AUTOTUNE=0 uses one fixed
 (DEFAULT_TILES) instead, e.g. for quick test runs. Under TRITON_INTERPRET=1 (CPU) the one small
 INTERPRET_TILES config runs. The kernels themselves are in flash_triton_kernels.py.
 
+Hopper forward. On an sm_90 GPU, bf16/fp16 inputs with head dim 64 or 128, as many keys as queries and a
+sequence that is a multiple of 128 run the forward in flash_hopper_kernels.py instead: a Gluon kernel with a TMA
+producer warp and two or three consumer warpgroups, each overlapping its softmax of a key tile with the P V
+matmul of the tile before (FlashAttention-3's schedule, which Triton's compiler does not produce from the kernel
+above). It writes the same O and L, so the backward below is unchanged. flash_hopper.forward_problem says why an
+input does not qualify; FLASH_HOPPER_FORWARD=0, or forced `tiles`, keep the Triton forward.
+
 torch.compile. Eager code calls the autograd.Function. Compiled code calls the flash_op / flash_backward_op
 triton_ops at the bottom of this file: Inductor launches the kernels itself and runs the same autotuner (or the
 tiles an eager call already chose for that shape). In the CPU interpreter it calls opaque custom ops instead.
@@ -57,6 +64,7 @@ from typing import Optional
 
 import torch
 
+from attention import flash_hopper
 from attention.registry import UnsupportedInputError, register, validate_qkv
 
 try:
@@ -390,8 +398,11 @@ def flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, tiles: Optional[Tiles] = None,
     traceable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) for validated inputs; o like q, lse fp32 of shape q.shape[:-1]. `tiles` forces a config."""
+    """(o, lse) for validated inputs; o like q, lse fp32 of shape q.shape[:-1]. `tiles` forces a Triton config."""
     q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
+    if tiles is None and flash_hopper.forward_problem(q4, k4, v4, causal) is None:
+        o4, lse4 = (hopper_forward_op if traceable else _hopper_forward)(q4, k4, v4, causal, scale)
+        return o4.reshape(q.shape), lse4.reshape(q.shape[:-1])
     b, h, n_q, d = q4.shape
     n_k = k4.shape[-2]
     # Outputs are allocated in the caller's shape; the kernel writes through (b, h, ...) views.
@@ -403,6 +414,15 @@ def flash_forward(
     with _on_device_of(q):
         _launch("fwd", (n_q, n_k), b * h, args, _meta(q, causal), q, tiles, traceable)
     return o, lse
+
+
+def _hopper_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    o4 = _alloc_like(q4)
+    lse = _alloc(tuple(q4.shape[:-1]), torch.float32, q4.device)
+    with _on_device_of(q4):
+        flash_hopper.forward(q4, k4, v4, o4, lse, causal, scale)
+    return o4, lse
 
 
 def flash_backward(
@@ -492,6 +512,20 @@ def flash_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
                       do: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), each shaped like its input (and in its memory order up to 4 dims)."""
     return flash_backward(q, k, v, o, lse, do, causal, scale, traceable=True)
+
+
+# The Hopper forward is a Gluon kernel, launched by its own host code rather than through
+# torch.library.wrap_triton: inside flash_op it is an opaque op of its own (the backward stays flash_backward_op's).
+@torch.library.custom_op("flash_lm::flash_attn_fwd_hopper", mutates_args=())
+def hopper_forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of (batch, heads, seq, d) inputs that flash_hopper.forward_problem accepted."""
+    return _hopper_forward(q4, k4, v4, causal, scale)
+
+
+@hopper_forward_op.register_fake
+def _(q4, k4, v4, causal, scale):
+    return _alloc_like(q4), q4.new_empty(q4.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_lm::flash_attn_fwd_opaque", mutates_args=())

@@ -3,6 +3,7 @@
 # run: the leaderboard preset (B1 H16 N16384 D64 causal), B1 H16 N4096 D64 causal, and B2 H16 N8192 at D64/D128,
 # causal and not. Results land in $OUT/results.tgz; the tables print last. SUITE=0 skips the test suite.
 source "$(dirname "$0")/session_preamble.sh"
+rm -rf $R/attn-leaderboard $R/attn-n4096 $R/attn-n8192 $R/*.log
 
 if [ "${SUITE:-1}" = 1 ]; then stage "flash GPU test suite"; gpu_suite; fi
 peers="--backends flash,sdpa-flash,sdpa-cudnn,flex --baseline sdpa-cudnn --no-plots"
@@ -12,7 +13,7 @@ stage "B1 H16 N4096 D64 causal"
 timeout 90 python3 bench_attention.py --batch 1 --heads 16 --seq-lens 4096 --d-heads 64 --causal yes $peers \
   --out $R/attn-n4096 > $R/attn-n4096.log 2>&1; echo "rc=$?"
 stage "B2 H16 N8192 D64/D128, causal and not"
-timeout 180 python3 bench_attention.py --batch 2 --heads 16 --seq-lens 8192 --d-heads 64,128 --causal both $peers \
+timeout ${N8192_TIMEOUT:-180} python3 bench_attention.py --batch 2 --heads 16 --seq-lens 8192 --d-heads 64,128 --causal both $peers \
   --out $R/attn-n8192 > $R/attn-n8192.log 2>&1; echo "rc=$?"
 stage "pack"
 tar czf "$OUT/results.tgz" -C /tmp res

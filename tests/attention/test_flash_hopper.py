@@ -1,0 +1,153 @@
+"""flash's Gluon Hopper forward (attention/flash_hopper.py): which inputs it takes, the 2-D views its descriptors
+read, and on an sm_90 GPU its O and L against float64, through flash's dispatch, autograd and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention import flash_hopper, flash_triton
+from attention.flash_hopper import HopperTiles
+
+CUDA = torch.cuda.is_available()
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and flash_hopper._gluon_problem() is None
+requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and triton's Gluon")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def randn(*shape, seed=0, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def make_qkv(b, h, n, d, dtype, layout, seed=0, device=DEVICE):
+    """(batch, heads, seq, d) tensors in (batch, heads, seq, d) or (batch, seq, heads, d) memory."""
+    if layout == "bshd":
+        return [randn(b, n, h, d, seed=seed + i, dtype=dtype, device=device).transpose(1, 2) for i in range(3)]
+    return [randn(b, h, n, d, seed=seed + i, dtype=dtype, device=device) for i in range(3)]
+
+
+def reference(q, k, v, causal, scale):
+    """(o, lse) in float64 on the CPU, by the naive formula."""
+    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def rel(a, b):
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 8), (1, 3, 5, 8), (2, 1, 5, 8), (2, 3, 1, 8)], ids=str)
+def test_rows_view_addresses_every_element(layout, shape):
+    b, h, n, d = shape
+    t = make_qkv(b, h, n, d, torch.float32, layout, device="cpu")[0]
+    view, rows_b, rows_h, cols_h = flash_hopper.rows_view(t)
+    assert view.data_ptr() == t.data_ptr() and view.dim() == 2
+    for bi in range(b):
+        for hi in range(h):
+            for pos in range(n):
+                row = bi * rows_b + hi * rows_h + pos
+                assert torch.equal(view[row, hi * cols_h: hi * cols_h + d], t[bi, hi, pos])
+
+
+def test_rows_view_refuses_other_memory_orders():
+    t = randn(2, 3, 8, 5, device="cpu")
+    assert flash_hopper.rows_view(t.transpose(-2, -1)) is None  # d not contiguous
+    assert flash_hopper.rows_view(randn(3, 2, 5, 8, device="cpu").transpose(0, 1)) is None  # (heads, batch, seq, d)
+    assert flash_hopper.rows_view(randn(2, 3, 10, 8, device="cpu")[:, :, ::2]) is None  # strided seq
+
+
+def test_forward_problem_names_the_reason(monkeypatch):
+    q = randn(1, 2, 128, 64, device="cpu")
+    assert flash_hopper.forward_problem(q, q, q, True) == "it needs CUDA tensors"
+    monkeypatch.setenv("FLASH_HOPPER_FORWARD", "0")
+    assert "FLASH_HOPPER_FORWARD=0" in flash_hopper.forward_problem(q, q, q, True)
+
+
+@requires_hopper
+@pytest.mark.parametrize("q_shape, k_len, dtype, message", [
+    ((1, 2, 128, 80), 128, torch.bfloat16, "head dims"),
+    ((1, 2, 128, 64), 128, torch.float32, "float16 and bfloat16"),
+    ((1, 2, 200, 64), 200, torch.bfloat16, "multiple of 128"),
+    ((1, 2, 128, 64), 256, torch.bfloat16, "as many keys as queries"),
+], ids=["d80", "fp32", "n200", "n_k"])
+def test_forward_problem_on_the_gpu(q_shape, k_len, dtype, message):
+    b, h, n, d = q_shape
+    q = randn(b, h, n, d, dtype=dtype)
+    k = randn(b, h, k_len, d, dtype=dtype)
+    assert message in flash_hopper.forward_problem(q, k, k, False)
+    ok = randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    assert flash_hopper.forward_problem(ok, ok, ok, True) is None
+
+
+def test_three_consumers_only_when_every_sm_gets_four_programs():
+    assert flash_hopper.tiles_for(64, 16384, 16, 132).consumers == 3  # 16 * 86 programs
+    assert flash_hopper.tiles_for(64, 4096, 16, 132).consumers == 2  # 16 * 22 = 352 < 528
+    for d in flash_hopper.HEAD_DIMS:
+        for t in (flash_hopper.tiles_for(d, 16384, 16, 132), flash_hopper.tiles_for(d, 128, 1, 132)):
+            assert flash_hopper.SEQ_MULTIPLE % t.block_n == 0 and flash_hopper.SEQ_MULTIPLE % t.block_m == 0
+
+
+TILES = [HopperTiles(consumers=2, block_n=128, stages=3), HopperTiles(consumers=3, block_n=128, stages=3),
+         HopperTiles(consumers=2, block_n=64, stages=4), HopperTiles(consumers=3, block_n=64, stages=3)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"c{t.consumers}-n{t.block_n}-s{t.stages}")
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("b, h, n, d", [(1, 2, 128, 64), (2, 3, 384, 64), (1, 2, 640, 128), (1, 1, 1024, 64)],
+                         ids=str)
+def test_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
+    if d == 128 and tiles.block_n == 128 and tiles.consumers == 3:
+        pytest.skip("3 query and 6 key/value tiles of 128 x 128 take 240 KB of shared memory; an SM has 227")
+    q, k, v = make_qkv(b, h, n, d, dtype, layout, seed=n + d)
+    scale = d ** -0.5
+    o = torch.full_like(q, float("nan"))  # every element must be written
+    lse = torch.full((b, h, n), float("nan"), device=DEVICE)
+    flash_hopper.forward(q, k, v, o, lse, causal, scale, tiles)
+    o_ref, lse_ref = reference(q, k, v, causal, scale)
+    assert o.stride() == q.stride()
+    assert rel(o, o_ref) <= TOLERANCE[dtype], rel(o, o_ref)
+    assert (lse.cpu().double() - lse_ref).abs().max().item() < 1e-4
+
+
+@requires_hopper
+def test_flash_runs_it_and_falls_back_with_the_switch(monkeypatch):
+    calls = []
+    real = flash_hopper.forward
+    monkeypatch.setattr(flash_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bshd", seed=3)  # batch 2: a size-1 dim's stride is free
+    o_hopper, lse_hopper = flash_triton.flash_forward(q, k, v, True, 0.125)
+    assert calls == [1]
+    monkeypatch.setenv("FLASH_HOPPER_FORWARD", "0")
+    o_triton, lse_triton = flash_triton.flash_forward(q, k, v, True, 0.125)
+    assert calls == [1]
+    assert o_hopper.stride() == o_triton.stride()  # both in q's memory order
+    torch.testing.assert_close(o_hopper, o_triton, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse_hopper, lse_triton, atol=1e-4, rtol=0)
+
+
+@requires_hopper
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gradients_through_flash_match_float64(compiled):
+    torch._dynamo.reset()
+    flash = flash_triton.flash_attention
+    fn = torch.compile(flash, fullgraph=True) if compiled else flash
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 256, 64, torch.bfloat16, "bshd", seed=5))
+    o = fn(q, k, v, True, 0.125)
+    do = randn(*o.shape, seed=9, dtype=torch.bfloat16)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    s = (q64 @ k64.transpose(-2, -1) * 0.125).masked_fill(torch.ones(256, 256, dtype=torch.bool).triu(1),
+                                                           float("-inf"))
+    o64 = torch.softmax(s, dim=-1) @ v64
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
+        assert rel(got, want) <= 2e-2, name
