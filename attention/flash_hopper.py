@@ -1,8 +1,8 @@
 """Host side of flash's Hopper forward (flash_hopper_kernels.py): when it applies, its tiles, the launch.
 
 flash_triton.flash_forward asks `forward_problem` first and runs this kernel when the answer is None; every other
-input (other GPUs, fp32, other head dims, sequences that are not whole tiles, the CPU interpreter, forced Triton
-tiles) keeps the Triton kernel, and the backward is flash's Triton backward either way. FLASH_HOPPER_FORWARD=0
+input (other GPUs, fp32, other head dims, sequences that are not whole tiles, problems small enough to be bound by
+host time, the CPU interpreter, forced Triton tiles) keeps the Triton kernel, and the backward is flash's Triton backward either way. FLASH_HOPPER_FORWARD=0
 turns it off.
 """
 
@@ -20,6 +20,10 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
 MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
+# Below this many scores (batch * heads * n^2, halved when causal) the kernel takes about 0.1 ms, and the Gluon
+# launch's host time decides: 114-147 us per call against 72-95 us for the Triton kernel's, measured in the same
+# runs on the H100 (results/README.md, seventh session). B1 H16 N4096 causal has 2^27 scores.
+MIN_SCORES = 2**28
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,9 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> HopperTiles:
     """Three consumers (192 rows a program) when that still gives every SM four programs, else two.
 
     Measured on the H100 (results/README.md, seventh session): three consumers ran the leaderboard forward 8%
-    faster than two, D128 causal 9%, D64 not causal 12%; at B1 H16 N4096 (352 programs of 192 rows on 132 SMs)
-    two were 16% faster.
+    faster than two, D128 causal 9%, D64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
+    were 16% faster in one run and 4% slower in the next, where host time bounds both; that size now stays below
+    MIN_SCORES.
     """
     block_n = 128 if d == 64 else 64
     three = HopperTiles(consumers=3, block_n=block_n, stages=3)
@@ -112,6 +117,9 @@ def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         return f"it needs as many keys as queries, got {k.shape[-2]} and {n}"
     if n % SEQ_MULTIPLE:
         return f"it needs the sequence length to be a multiple of {SEQ_MULTIPLE}, got {n}"
+    scores = q.shape[0] * q.shape[1] * n * n // (2 if causal else 1)
+    if scores < MIN_SCORES:
+        return f"{scores} scores are too few: below {MIN_SCORES} host time outweighs the faster kernel"
     if q.shape[0] * q.shape[1] > MAX_PROGRAM_ROWS:
         return f"it runs at most {MAX_PROGRAM_ROWS} (batch, head) pairs, got {q.shape[0] * q.shape[1]}"
     for name, t in (("q", q), ("k", k), ("v", v)):

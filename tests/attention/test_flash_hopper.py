@@ -76,13 +76,17 @@ def test_forward_problem_names_the_reason(monkeypatch):
     ((1, 2, 200, 64), 200, torch.bfloat16, "multiple of 128"),
     ((1, 2, 128, 64), 256, torch.bfloat16, "as many keys as queries"),
 ], ids=["d80", "fp32", "n200", "n_k"])
-def test_forward_problem_on_the_gpu(q_shape, k_len, dtype, message):
+def test_forward_problem_on_the_gpu(monkeypatch, q_shape, k_len, dtype, message):
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 0)
     b, h, n, d = q_shape
     q = randn(b, h, n, d, dtype=dtype)
     k = randn(b, h, k_len, d, dtype=dtype)
     assert message in flash_hopper.forward_problem(q, k, k, False)
     ok = randn(1, 2, 256, 64, dtype=torch.bfloat16)
     assert flash_hopper.forward_problem(ok, ok, ok, True) is None
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 2**16 + 1)  # 2 * 256^2 / 2 = 2^16 causal scores
+    assert "too few" in flash_hopper.forward_problem(ok, ok, ok, True)
+    assert flash_hopper.forward_problem(ok, ok, ok, False) is None
 
 
 def test_three_consumers_only_when_every_sm_gets_four_programs():
@@ -120,6 +124,7 @@ def test_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
 
 @requires_hopper
 def test_flash_runs_it_and_falls_back_with_the_switch(monkeypatch):
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 0)
     calls = []
     real = flash_hopper.forward
     monkeypatch.setattr(flash_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -136,7 +141,11 @@ def test_flash_runs_it_and_falls_back_with_the_switch(monkeypatch):
 
 @requires_hopper
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gradients_through_flash_match_float64(compiled):
+def test_gradients_through_flash_match_float64(monkeypatch, compiled):
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 0)
+    calls = []
+    real = flash_hopper.forward
+    monkeypatch.setattr(flash_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     torch._dynamo.reset()
     flash = flash_triton.flash_attention
     fn = torch.compile(flash, fullgraph=True) if compiled else flash
@@ -149,5 +158,6 @@ def test_gradients_through_flash_match_float64(compiled):
                                                            float("-inf"))
     o64 = torch.softmax(s, dim=-1) @ v64
     grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    assert calls, "the Hopper forward did not run"
     for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
         assert rel(got, want) <= 2e-2, name
