@@ -1,9 +1,9 @@
 """Host side of flash's Hopper forward (flash_hopper_kernels.py): when it applies, its tiles, the launch.
 
-flash_triton.flash_forward asks `forward_problem` first and runs this kernel when the answer is None; every other
-input (other GPUs, fp32, other head dims, sequences that are not whole tiles, problems small enough to be bound by
-host time, the CPU interpreter, forced Triton tiles) keeps the Triton kernel, and the backward is flash's Triton backward either way. FLASH_HOPPER_FORWARD=0
-turns it off.
+flash_triton.flash_forward asks `forward_problem` first and runs this kernel when the answer is None. Every other
+input keeps the Triton kernel: other GPUs, fp32, other head dims, sequences that are not whole tiles, problems small
+enough to be bound by host time, the CPU interpreter, forced Triton tiles. The backward is flash's Triton backward
+either way. FLASH_HOPPER_FORWARD=0 turns it off.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
 MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
-# Below this many scores (batch * heads * n^2, halved when causal) the kernel takes about 0.1 ms, and the Gluon
-# launch's host time decides: 114-147 us per call against 72-95 us for the Triton kernel's, measured in the same
-# runs on the H100 (results/README.md, seventh session). B1 H16 N4096 causal has 2^27 scores.
+# Scores are batch * heads * n^2, halved when causal. At 2^27 (B1 H16 N4096 causal) the kernel takes 0.12 ms, and
+# the Gluon launch's host time decides: 114-147 us per call against 72-95 us for the Triton kernel's, measured in
+# the same runs on the H100 (results/README.md, seventh session).
 MIN_SCORES = 2**28
 
 

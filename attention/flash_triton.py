@@ -40,12 +40,13 @@ disk when the installed triton supports it. FLASH_ATTN_AUTOTUNE=0 uses one fixed
 (DEFAULT_TILES) instead, e.g. for quick test runs. Under TRITON_INTERPRET=1 (CPU) the one small
 INTERPRET_TILES config runs. The kernels themselves are in flash_triton_kernels.py.
 
-Hopper forward. On an sm_90 GPU, bf16/fp16 inputs with head dim 64 or 128, as many keys as queries and a
-sequence that is a multiple of 128 run the forward in flash_hopper_kernels.py instead: a Gluon kernel with a TMA
-producer warp and two or three consumer warpgroups, each overlapping its softmax of a key tile with the P V
-matmul of the tile before (FlashAttention-3's schedule, which Triton's compiler does not produce from the kernel
-above). It writes the same O and L, so the backward below is unchanged. flash_hopper.forward_problem says why an
-input does not qualify; FLASH_HOPPER_FORWARD=0, or forced `tiles`, keep the Triton forward.
+Hopper forward. On an sm_90 GPU, bf16/fp16 inputs with head dim 64 or 128, as many keys as queries, a sequence
+that is a multiple of 128 and at least flash_hopper.MIN_SCORES scores run the forward in flash_hopper_kernels.py:
+a Gluon kernel with a TMA producer warp and two or three consumer warpgroups, each overlapping its softmax of a key
+tile with the P V matmul of the tile before (FlashAttention-3's schedule, which Triton's compiler does not produce
+from the kernel above). It writes the same O and L, so the backward below is unchanged.
+flash_hopper.forward_problem says why an input does not qualify; FLASH_HOPPER_FORWARD=0, or forced `tiles`, keep
+the Triton forward.
 
 torch.compile. Eager code calls the autograd.Function. Compiled code calls the flash_op / flash_backward_op
 triton_ops at the bottom of this file: Inductor launches the kernels itself and runs the same autotuner (or the
