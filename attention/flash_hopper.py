@@ -78,10 +78,10 @@ def _enabled() -> bool:
     return os.environ.get("FLASH_HOPPER_FORWARD", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
-    """(2-D view, rows per batch, rows per head, columns per head) of a (batch, heads, seq, d) tensor, or None.
+def rows_index(t: torch.Tensor) -> Optional[tuple[int, int, int, tuple[int, int]]]:
+    """(rows per batch, rows per head, columns per head, 2-D shape) of a (batch, heads, seq, d) tensor, or None.
 
-    Row b * rows_b + h * rows_h + position of the view, from column h * cols_h, holds t[b, h, position]. That
+    Row b * rows_b + h * rows_h + position of the 2-D view, from column h * cols_h, holds t[b, h, position]. That
     covers (batch, heads, seq, d) storage (one row per position of each head) and (batch, seq, heads, d) storage
     (one row per position, the heads side by side), which is what the model hands over.
     """
@@ -94,10 +94,19 @@ def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
         return size == 1 or stride == want  # a size-1 dim's stride is arbitrary
 
     if stride_is(h, sh, n * d) and stride_is(n, sn, d) and stride_is(b, sb, h * n * d):  # (batch, heads, seq, d)
-        return torch.as_strided(t, (b * h * n, d), (d, 1)), h * n, n, 0
+        return h * n, n, 0, (b * h * n, d)
     if stride_is(h, sh, d) and stride_is(n, sn, h * d) and stride_is(b, sb, n * h * d):  # (batch, seq, heads, d)
-        return torch.as_strided(t, (b * n, h * d), (h * d, 1)), n, 0, d
+        return n, 0, d, (b * n, h * d)
     return None
+
+
+def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
+    """(2-D view, rows per batch, rows per head, columns per head) of t, as rows_index describes it, or None."""
+    index = rows_index(t)
+    if index is None:
+        return None
+    rows_b, rows_h, cols_h, (rows, cols) = index
+    return torch.as_strided(t, (rows, cols), (cols, 1)), rows_b, rows_h, cols_h
 
 
 def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
@@ -123,7 +132,7 @@ def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if q.shape[0] * q.shape[1] > MAX_PROGRAM_ROWS:
         return f"it runs at most {MAX_PROGRAM_ROWS} (batch, head) pairs, got {q.shape[0] * q.shape[1]}"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if rows_view(t) is None:
+        if rows_index(t) is None:  # the index alone: forward builds the views, once
             return f"{name} is neither (batch, heads, seq, d) nor (batch, seq, heads, d) in memory"
     return _gluon_problem()
 
