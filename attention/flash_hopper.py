@@ -1,9 +1,10 @@
-"""Host side of flash's Hopper forward (flash_hopper_kernels.py): when it applies, its tiles, the launch.
+"""Host side of flash's Hopper kernels (flash_hopper_kernels.py): when they apply, their tiles, the launches.
 
-flash_triton.flash_forward asks `forward_problem` first and runs this kernel when the answer is None. Every other
-input keeps the Triton kernel: other GPUs, fp32, other head dims, sequences that are not whole tiles, problems small
-enough to be bound by host time, the CPU interpreter, forced Triton tiles. The backward is flash's Triton backward
-either way. FLASH_HOPPER_FORWARD=0 turns it off.
+flash_triton.flash_forward asks `forward_problem` first and runs the Gluon forward when the answer is None;
+flash_triton.flash_backward asks `backward_problem` and runs the Gluon dK/dV and dQ kernels. Every other input keeps
+the Triton kernels: other GPUs, fp32, other head dims, sequences that are not whole tiles, problems small enough to
+be bound by host time, the CPU interpreter, forced Triton tiles. FLASH_HOPPER_FORWARD=0 and FLASH_HOPPER_BACKWARD=0
+turn either off.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
 # the Gluon launch's host time decides: 114-147 us per call against 72-95 us for the Triton kernel's, measured in
 # the same runs on the H100 (results/README.md, seventh session).
 MIN_SCORES = 2**28
+# The backward runs its dQ kernel on a second stream, beside dK/dV: 6-12% faster than one after the other on the
+# H100 (results/README.md, eighth session). False runs them in turn on the current stream, for A/B timings.
+OVERLAP_BACKWARD = True
 
 
 @dataclass(frozen=True)
 class HopperTiles:
-    """One program: `consumers` warpgroups of `block_m` query rows; key tiles of `block_n` in `stages` slots."""
+    """One program: `consumers` warpgroups of `block_m` resident rows; streamed tiles of `block_n` rows in `stages`
+    slots. The forward and dQ keep query rows and stream keys; dK/dV keeps key rows and streams queries."""
 
     consumers: int
     block_n: int
@@ -74,8 +79,8 @@ def _gluon_problem() -> Optional[str]:
     return None
 
 
-def _enabled() -> bool:
-    return os.environ.get("FLASH_HOPPER_FORWARD", "1").strip().lower() not in ("0", "false", "off", "no")
+def _enabled(switch: str) -> bool:
+    return os.environ.get(switch, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def rows_index(t: torch.Tensor) -> Optional[tuple[int, int, int, tuple[int, int]]]:
@@ -109,10 +114,8 @@ def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
     return torch.as_strided(t, (rows, cols), (cols, 1)), rows_b, rows_h, cols_h
 
 
-def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
-    """Why the Hopper forward cannot run these (batch, heads, seq, d) inputs, or None when it can."""
-    if not _enabled():
-        return "turned off by FLASH_HOPPER_FORWARD=0"
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
+    """Why the Hopper kernels cannot take these (batch, heads, seq, d) inputs, or None; the switches aside."""
     if not q.is_cuda:
         return "it needs CUDA tensors"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -131,37 +134,172 @@ def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         return f"{scores} scores are too few: below {MIN_SCORES} host time outweighs the faster kernel"
     if q.shape[0] * q.shape[1] > MAX_PROGRAM_ROWS:
         return f"it runs at most {MAX_PROGRAM_ROWS} (batch, head) pairs, got {q.shape[0] * q.shape[1]}"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if rows_index(t) is None:  # the index alone: forward builds the views, once
+    if q.shape[0] * q.shape[1] * n >= 2**31:
+        return "TMA coordinates are 32-bit: batch * heads * seq must be below 2^31"
+    return _layout_problem(q=q, k=k, v=v) or _gluon_problem()
+
+
+def _layout_problem(**tensors: torch.Tensor) -> Optional[str]:
+    for name, t in tensors.items():
+        if rows_index(t) is None:  # the index alone: the launch builds the views, once
             return f"{name} is neither (batch, heads, seq, d) nor (batch, seq, heads, d) in memory"
-    return _gluon_problem()
+    return None
+
+
+def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
+    """Why the Hopper forward cannot run these (batch, heads, seq, d) inputs, or None when it can."""
+    if not _enabled("FLASH_HOPPER_FORWARD"):
+        return "turned off by FLASH_HOPPER_FORWARD=0"
+    return _problem(q, k, v, causal)
+
+
+def backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                     causal: bool) -> Optional[str]:
+    """Why the Hopper dK/dV and dQ kernels cannot run these (batch, heads, seq, d) inputs, or None when they can."""
+    if not _enabled("FLASH_HOPPER_BACKWARD"):
+        return "turned off by FLASH_HOPPER_BACKWARD=0"
+    if do.dtype != q.dtype:
+        return f"dO is {do.dtype} and q {q.dtype}"
+    return _problem(q, k, v, causal) or _layout_problem(dO=do)
+
+
+@functools.cache
+def _shared_layout(block_rows: int, d: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a block_rows x d tile (computing it costs ~7 us of host time per call)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([block_rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, block_rows: int):
+    """A TMA descriptor of t's 2-D view (rows_view) in blocks of block_rows x d, and the view's index."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    view, rows_b, rows_h, cols_h = rows_view(t)
+    d = t.shape[-1]
+    return TensorDescriptor.from_tensor(view, [block_rows, d], _shared_layout(block_rows, d, t.dtype)), \
+        (rows_b, rows_h, cols_h)
+
+
+def _output_descriptor(out: torch.Tensor, like: torch.Tensor, block_rows: int):
+    desc, index = _descriptor(out, block_rows)
+    if index != rows_index(like)[:3]:
+        raise ValueError("an output must be in its input's memory order")
+    return desc
+
+
+def _check_tiles(n: int, t: HopperTiles) -> None:
+    if n % t.block_m or n % t.block_n:
+        raise ValueError(f"sequence length {n} is not a multiple of the tiles {t.block_m} and {t.block_n}")
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
             scale: float, tiles: Optional[HopperTiles] = None) -> None:
     """Write o (q's memory order) and lse ((batch * heads, seq) fp32, natural log) for accepted inputs."""
     import triton
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from attention.flash_hopper_kernels import attn_fwd_hopper
 
     b, h, n, d = q.shape
     t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0))
-    if n % t.block_m or n % t.block_n:
-        raise ValueError(f"sequence length {n} is not a multiple of the tiles {t.block_m} and {t.block_n}")
-    elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    (q2, q_rb, q_rh, q_ch), (k2, k_rb, k_rh, k_ch), (v2, v_rb, v_rh, v_ch) = map(rows_view, (q, k, v))
-    o2, *o_index = rows_view(o)
-    if tuple(o_index) != (q_rb, q_rh, q_ch):
-        raise ValueError("o must be in q's memory order")
-
-    def desc(t2: torch.Tensor, block: list[int]):
-        return TensorDescriptor.from_tensor(t2, block, gl.NVMMASharedLayout.get_default_for(block, elem))
-
+    _check_tiles(n, t)
+    q_desc, q_index = _descriptor(q, t.block_m)
+    k_desc, k_index = _descriptor(k, t.block_n)
+    v_desc, v_index = _descriptor(v, t.block_n)
     attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
-        desc(q2, [t.block_m, d]), desc(k2, [t.block_n, d]), desc(v2, [t.block_n, d]), desc(o2, [t.block_m, d]),
-        lse, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, h, n, scale * math.log2(math.e),
+        q_desc, k_desc, v_desc, _output_descriptor(o, q, t.block_m), lse, *q_index, *k_index, *v_index,
+        h, n, scale * math.log2(math.e),
+        CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
+        CONSUMER_REGS=t.consumer_regs, num_warps=4,
+    )
+
+
+def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int, causal: bool) -> dict[str, HopperTiles]:
+    """dK/dV and dQ tiles: 64 resident rows per consumer; 64-row streamed tiles (32 for dK/dV at d 128).
+
+    Measured on the H100 (results/README.md, eighth session), each against the other configs in the same run:
+    - dK/dV keeps two consumers. Three get 160 registers each, too few for its two accumulators and two score tiles
+      (they spill), except with 32-row query tiles, which ran 8-13% slower than two consumers' best. At d 64 four
+      slots ran 4-8% faster than three when causal, and three 12% faster than four when not (two runs each).
+    - dQ at d 64 takes three consumers, as the forward does, when that still gives every SM four programs: 5-9%
+      faster than two at N16384. At d 128 three consumers ran 44% slower than two.
+    """
+    if d == 128:
+        return {"dkdv": HopperTiles(2, 32, 4), "dq": HopperTiles(2, 64, 4)}
+    dq = HopperTiles(3, 64, 4)
+    if batch_heads * math.ceil(n / dq.rows) < 4 * sm_count:
+        dq = HopperTiles(2, 64, 4)
+    return {"dkdv": HopperTiles(2, 64, 4 if causal else 3), "dq": dq}
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
+             tiles: Optional[dict[str, HopperTiles]] = None) -> None:
+    """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted.
+
+    lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
+    """
+    b, h, n, d = q.shape
+    tiles = {**backward_tiles_for(d, n, b * h, _sm_count(q.device.index or 0), causal), **(tiles or {})}
+    if not OVERLAP_BACKWARD:
+        backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"])
+        backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"])
+        return
+    # The two kernels are independent: dQ runs on a second stream, so its programs take the SMs that dK/dV's last
+    # wave leaves idle instead of waiting for the whole kernel to drain.
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device.index or 0)
+    side.wait_stream(main)  # the inputs, delta included, are written on main
+    backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"])
+    with torch.cuda.stream(side):
+        backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"])
+    # Main waits for dQ before anything later runs, so no tensor the dQ kernel touches is freed or reused under it.
+    main.wait_stream(side)
+
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device_index)
+
+
+def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                  delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
+                  t: HopperTiles) -> None:
+    """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed."""
+    import triton
+
+    from attention.flash_hopper_kernels import attn_bwd_dkdv_hopper
+
+    b, h, n, d = q.shape
+    _check_tiles(n, t)
+    q_desc, q_index = _descriptor(q, t.block_n)
+    k_desc, k_index = _descriptor(k, t.block_m)
+    v_desc, v_index = _descriptor(v, t.block_m)
+    do_desc, do_index = _descriptor(do, t.block_n)
+    attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
+        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dk, k, t.block_m), _output_descriptor(dv, v, t.block_m),
+        lse, delta, *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
+        CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
+        CONSUMER_REGS=t.consumer_regs, num_warps=4,
+    )
+
+
+def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, t: HopperTiles) -> None:
+    """The dQ kernel of `backward`: t.block_m query rows per consumer, key tiles of t.block_n streamed."""
+    import triton
+
+    from attention.flash_hopper_kernels import attn_bwd_dq_hopper
+
+    b, h, n, d = q.shape
+    _check_tiles(n, t)
+    q_desc, q_index = _descriptor(q, t.block_m)
+    k_desc, k_index = _descriptor(k, t.block_n)
+    v_desc, v_index = _descriptor(v, t.block_n)
+    do_desc, do_index = _descriptor(do, t.block_m)
+    attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
+        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dq, q, t.block_m), lse, delta,
+        *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
         CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
         CONSUMER_REGS=t.consumer_regs, num_warps=4,
     )

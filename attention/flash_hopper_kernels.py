@@ -1,18 +1,19 @@
-"""The Hopper (sm_90) forward kernel of `flash`, written in Gluon; the host code is in flash_hopper.py.
+"""flash's Hopper (sm_90) kernels, written in Gluon: the forward, dK/dV and dQ. The host code is in flash_hopper.py.
 
 Triton 3.6 waits for a score matmul as soon as its result is read, so in flash's Triton kernels the softmax never
 runs beside a matmul (see results/README.md, sixth session). Gluon states the schedule instead of leaving it to
-the compiler. One program owns NUM_CONSUMERS * BLOCK_M query rows of one (batch, head):
+the compiler. Every kernel has the same shape: a producer warp streams tiles of two tensors into a ring of STAGES
+shared-memory slots with TMA, and each of NUM_CONSUMERS consumer warpgroups keeps BLOCK_M (64) rows of its own
+resident, issues the matmuls of the next streamed tile asynchronously, and does its elementwise work while the
+matmuls of the tile before still run on the tensor cores (FlashAttention-3's intra-warpgroup overlap). A slot is
+free again once every consumer has arrived on its `empty` barrier, after the last matmul that reads it retired.
 
-- a producer warp streams key and value tiles into a ring of STAGES shared-memory slots with TMA;
-- each consumer warpgroup owns BLOCK_M (64) query rows. For key tile j it issues the score matmul S_j = Q K_j^T
-  and then the previous tile's O += P_{j-1} V_{j-1}, waits only for S_j, and computes the softmax of S_j while the
-  P V matmul is still running on the tensor cores (FlashAttention-3's intra-warpgroup overlap). O is rescaled
-  after that matmul retires: O then holds the sum up to tile j-1 at tile j's running max.
+The forward keeps query rows and streams key and value tiles. For key tile j it issues S_j = Q K_j^T and then
+the previous tile's O += P_{j-1} V_{j-1}, waits only for S_j, and computes the softmax of S_j while the P V matmul
+runs. O is rescaled after that matmul retires: O then holds the sum up to tile j-1 at tile j's running max.
 
-A slot is free again when every consumer has arrived on its `empty` barrier, which a consumer does once its P V
-matmul of that tile has retired. Scores are in the base-2 domain (qk_scale = scale * log2 e) as in
-flash_triton_kernels; L is the natural-log logsumexp that flash's backward reads.
+Scores are in the base-2 domain (qk_scale = scale * log2 e) as in flash_triton_kernels; L is the natural-log
+logsumexp that the backward reads.
 """
 
 from __future__ import annotations
@@ -172,6 +173,24 @@ def _consumer(o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_e
 
 
 @gluon.jit
+def _query_program(H, N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, bh, first query row, key tiles to stream) of a program that owns ROWS query rows.
+
+    The sequence is the grid's fastest axis: the programs running at once mostly share one head's keys and values
+    in L2. Launching every head's longest programs first instead (the head index fastest) shortens the causal tail
+    on paper, but the forward measured 2-10% slower against cuDNN on the H100 (results/README.md, eighth session).
+    """
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest rows first, for a better tail
+        n_tiles = gl.cdiv(gl.minimum((pid_m + 1) * ROWS, N), BLOCK_N)
+    else:
+        pid_m = gl.program_id(0)
+        n_tiles = N // BLOCK_N
+    bh = gl.program_id(1)
+    return bh // H, bh % H, bh, pid_m * ROWS, n_tiles
+
+
+@gluon.jit
 def attn_fwd_hopper(
     q_desc, k_desc, v_desc, o_desc, L,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
@@ -188,16 +207,7 @@ def attn_fwd_hopper(
     D: gl.constexpr = q_desc.block_type.shape[1]
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
 
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest rows first, for a better tail
-        n_tiles = gl.cdiv(gl.minimum((pid_m + 1) * ROWS, N), BLOCK_N)
-    else:
-        pid_m = gl.program_id(0)
-        n_tiles = N // BLOCK_N
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    m0 = pid_m * ROWS
+    b, h, bh, m0, n_tiles = _query_program(H, N, ROWS, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -241,4 +251,411 @@ def attn_fwd_hopper(
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                          q_row, q_col, k_row, h * k_cols_h, v_row, h * v_cols_h, n_tiles, BLOCK_N, STAGES,
                          NUM_CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward: dQ (a program per NUM_CONSUMERS * BLOCK_M query rows, key tiles stream past) and dK/dV (a program per
+# NUM_CONSUMERS * BLOCK_M key rows, query tiles stream past). delta = rowsum(dO * O) comes from flash's Triton
+# pre-pass. Both stay deterministic: every output row is summed by one consumer, in one order.
+#
+# dQ: for key tile j a consumer issues S_j = Q K_j^T, dP_j = dO V_j^T and then dQ += dS_{j-1} K_{j-1}, and computes
+# P_j and dS_j while those run. dK/dV: for query tile i it issues S^T_i = K Q_i^T, dP^T_i = V dO_i^T and
+# dK += dS^T_{i-1} Q_{i-1}, computes P^T_i, issues dV += P^T_i dO_i, and computes dS^T_i beside the rest. Both wait
+# for their last matmul at the end of the tile (see _dkdv_query_tile).
+# ----------------------------------------------------------------------------------------------------------
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _bwd_producer(r0_desc, r1_desc, t0_desc, t1_desc, r0_smem, r1_smem, t0_smem, t1_smem, res_ready, ready, empty,
+                  r0_row, r0_col, r1_row, r1_col, t0_row, t0_col, t1_row, t1_col, first, n_tiles,
+                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Each consumer's two resident tiles, then streamed tiles first .. first + n_tiles - 1 of two tensors."""
+    R: gl.constexpr = r0_desc.block_type.shape[0]
+    T: gl.constexpr = t0_desc.block_type.shape[0]
+    mbarrier.expect(res_ready, NUM_CONSUMERS * (r0_desc.block_type.nbytes + r1_desc.block_type.nbytes))
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(r0_desc, [r0_row + c * R, r0_col], res_ready, r0_smem.index(c))
+        tma.async_copy_global_to_shared(r1_desc, [r1_row + c * R, r1_col], res_ready, r1_smem.index(c))
+    for i in range(n_tiles):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes the first wait
+        mbarrier.expect(ready.index(slot), t0_desc.block_type.nbytes + t1_desc.block_type.nbytes)
+        row = (first + i) * T
+        tma.async_copy_global_to_shared(t0_desc, [t0_row + row, t0_col], ready.index(slot), t0_smem.index(slot))
+        tma.async_copy_global_to_shared(t1_desc, [t1_row + row, t1_col], ready.index(slot), t1_smem.index(slot))
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """(resident tiles loaded, slot loaded, slot free) mbarriers of a backward kernel, initialised."""
+    res_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(res_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()  # the initialised barriers, visible to the TMA unit
+    return res_ready, ready, empty
+
+
+@gluon.jit
+def _release(ready, empty, lo, hi, STAGES: gl.constexpr):
+    """Give back streamed tiles [lo, hi) this consumer does not use, once loaded (see _consumer)."""
+    for i in range(lo, hi):
+        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
+
+
+@gluon.jit
+def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, qk_scale,
+                 MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 s_layout: gl.constexpr, ds_layout: gl.constexpr):
+    """Key tile i's dS, computed while tile i-1's dQ += dS K runs; returns dQ through tile i-1 and tile i's dS."""
+    slot = i % STAGES
+    prev = (i - 1) % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    dq_tok = warpgroup_mma(ds, k_smem.index(prev), dq, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=2, deps=[s_tok])
+    p = gl.exp2(s * qk_scale - lse2[:, None])
+    if MASK:
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp_tok])
+    ds32 = p * (dp - delta[:, None])
+    dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok, ds])
+    mbarrier.arrive(empty.index(prev), count=1)
+    return dq, gl.convert_layout(ds32.to(k_smem.dtype), ds_layout)
+
+
+@gluon.jit
+def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_col, first_row, lse_row, n_tiles,
+             qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr):
+    """dQ of one consumer's BLOCK_M query rows, written out; returns how many key tiles it released."""
+    dtype: gl.constexpr = dq_desc.dtype
+    D: gl.constexpr = dq_desc.block_type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    rows = first_row + gl.arange(0, BLOCK_M, layout=row_s)
+    lse2 = gl.load(L + lse_row + gl.arange(0, BLOCK_M, layout=row_s)) * LOG2E
+    delta = gl.load(DELTA + lse_row + gl.arange(0, BLOCK_M, layout=row_s))
+    if CAUSAL:
+        n_full = first_row // BLOCK_N
+        n_mine = gl.cdiv(first_row + BLOCK_M, BLOCK_N)
+    else:
+        n_full = n_tiles
+        n_mine = n_tiles
+    dq = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
+
+    # Tile 0: its dS only; its dQ matmul is issued beside tile 1's score matmuls (or after the loops).
+    mbarrier.wait(ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v_smem.index(0).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+    p = gl.exp2(s * qk_scale - lse2[:, None])
+    if CAUSAL:
+        if n_full == 0:
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
+    ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+
+    for i in range(1, n_full):
+        dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, qk_scale,
+                              False, BLOCK_M, BLOCK_N, STAGES, s_layout, ds_layout)
+    if CAUSAL:  # the diagonal band
+        for i in range(gl.maximum(n_full, 1), n_mine):
+            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, qk_scale,
+                                  True, BLOCK_M, BLOCK_N, STAGES, s_layout, ds_layout)
+
+    last = n_mine - 1
+    dq_tok = warpgroup_mma(ds, k_smem.index(last % STAGES), dq, is_async=True)
+    dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok, ds])
+    mbarrier.arrive(empty.index(last % STAGES), count=1)
+
+    # dS was taken w.r.t. the scaled scores. This consumer's Q rows are dead: they hold dQ on its way out.
+    q.store((dq * scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [q_row, q_col], q)
+    tma.store_wait(pendings=0)
+    return n_mine
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col, m0,
+                 lse_base, N, n_tiles, qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    first_row = m0 + CONSUMER * BLOCK_M
+    mbarrier.wait(res_ready, 0)
+    if first_row < N:
+        n_done = _dq_rows(dq_desc, L, DELTA, q_smem.index(CONSUMER), do_smem.index(CONSUMER), k_smem, v_smem, ready,
+                          empty, q_row + CONSUMER * BLOCK_M, q_col, first_row, lse_base + CONSUMER * BLOCK_M, n_tiles,
+                          qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+    else:
+        n_done = 0
+    _release(ready, empty, n_done, n_tiles, STAGES)
+
+
+@gluon.jit
+def attn_bwd_dq_hopper(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, L, DELTA,
+    q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
+    do_rows_b, do_rows_h, do_cols_h,
+    H, N, qk_scale, scale,
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """dQ for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); descriptors as in attn_fwd_hopper.
+
+    dQ is written through dq_desc, which indexes like q_desc.
+    """
+    dtype: gl.constexpr = q_desc.dtype
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+
+    b, h, bh, m0, n_tiles = _query_program(H, N, ROWS, BLOCK_N, CAUSAL)
+
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    res_ready, ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
+
+    q_row = b * q_rows_b + h * q_rows_h + m0
+    q_col = h * q_cols_h
+    do_row = b * do_rows_b + h * do_rows_h + m0
+    lse_base = bh * N + m0
+    k_row = b * k_rows_b + h * k_rows_h
+    v_row = b * v_rows_b + h * v_rows_h
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
+                            m0, lse_base, N, n_tiles, qk_scale, scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
+                            m0, lse_base, N, n_tiles, qk_scale, scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
+                             q_row, q_col, do_row, h * do_cols_h, k_row, h * k_cols_h, v_row, h * v_cols_h, 0,
+                             n_tiles, STAGES, NUM_CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
+        gl.warp_specialize([
+            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
+                            m0, lse_base, N, n_tiles, qk_scale, scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
+                            m0, lse_base, N, n_tiles, qk_scale, scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
+                            m0, lse_base, N, n_tiles, qk_scale, scale, 2, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
+                             q_row, q_col, do_row, h * do_cols_h, k_row, h * k_cols_h, v_row, h * v_cols_h, 0,
+                             n_tiles, STAGES, NUM_CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def _dkdv_query_tile(i, k, v, q_smem, do_smem, ready, empty, dk, dv, ds, lse, delta, L, DELTA, lse_base, keys, first,
+                     last, qk_scale, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs.
+
+    lse and delta are tile i's, loaded one tile ahead; returns dK through tile i-1, dV through tile i, dS^T of tile
+    i, and tile i+1's lse and delta (tile `last`'s again at the end).
+    """
+    dtype: gl.constexpr = q_smem.dtype
+    col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
+    slot = i % STAGES
+    prev = (i - 1) % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    st_tok = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
+    dpt_tok = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)),
+                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
+    dk_tok = warpgroup_mma(ds, q_smem.index(prev), dk, is_async=True)
+    # The next tile's row statistics: a global load's latency is several score matmuls long.
+    nxt = gl.minimum(first + i + 1, last) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+    lse_next = gl.load(L + lse_base + nxt)
+    delta_next = gl.load(DELTA + lse_base + nxt)
+    st = warpgroup_mma_wait(num_outstanding=2, deps=[st_tok])
+    pt = gl.exp2(st * qk_scale - (lse * LOG2E)[None, :])
+    if MASK:
+        cols = (first + i) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)  # query positions
+        pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
+    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+    dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
+    dst = pt * (dpt - delta[None, :])
+    # This tile's dV is waited for here: leaving it in flight across the loop's back edge measured 18-25% slower
+    # (2.45 against 2.06 ms at the leaderboard shape; results/README.md, eighth session).
+    dk, dv, ds, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, dv_tok, ds, pt_op])
+    mbarrier.arrive(empty.index(prev), count=1)  # Q of tile i-1 (dK) and dO of tile i-1 (dV) are read
+    return dk, dv, gl.convert_layout(dst.to(dtype), op_layout), lse_next, delta_next
+
+
+@gluon.jit
+def _dkdv_rows(dk_desc, dv_desc, L, DELTA, k, v, q_smem, do_smem, ready, empty, k_row, k_col, v_row, v_col,
+               first_key, lse_base, first, n_tiles, qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """dK and dV of one consumer's BLOCK_M key rows over every streamed query tile, written out."""
+    dtype: gl.constexpr = dk_desc.dtype
+    D: gl.constexpr = dk_desc.block_type.shape[1]
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    keys = first_key + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    last = first + n_tiles - 1
+    if CAUSAL:
+        # Query tiles that start before this consumer's last key hold masked scores. The program's first tiles may
+        # lie wholly above this consumer's keys: masked to zero, not skipped.
+        n_band = gl.cdiv(first_key + BLOCK_M, BLOCK_N) - first
+    else:
+        n_band = 0
+    dk = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
+
+    # Tile 0: dV and dS^T only; its dK matmul is issued beside tile 1's score matmuls (or after the loops).
+    cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+    lse2 = gl.load(L + lse_base + cols) * LOG2E
+    delta = gl.load(DELTA + lse_base + cols)
+    mbarrier.wait(ready.index(0), 0)
+    st_tok = warpgroup_mma(k, q_smem.index(0).permute((1, 0)),
+                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
+    dpt_tok = warpgroup_mma(v, do_smem.index(0).permute((1, 0)),
+                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
+    nxt = gl.minimum(first + 1, last) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+    lse_next = gl.load(L + lse_base + nxt)
+    delta_next = gl.load(DELTA + lse_base + nxt)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    if CAUSAL:
+        pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
+    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+    dv_tok = warpgroup_mma(pt_op, do_smem.index(0), dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
+    dst = pt * (dpt - delta[None, :])
+    dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
+    ds = gl.convert_layout(dst.to(dtype), op_layout)
+
+    if CAUSAL:
+        for i in range(1, n_band):
+            dk, dv, ds, lse_next, delta_next = _dkdv_query_tile(
+                i, k, v, q_smem, do_smem, ready, empty, dk, dv, ds, lse_next, delta_next, L, DELTA, lse_base, keys,
+                first, last, qk_scale, True, BLOCK_M, BLOCK_N, STAGES, st_layout, op_layout)
+    for i in range(gl.maximum(n_band, 1), n_tiles):
+        dk, dv, ds, lse_next, delta_next = _dkdv_query_tile(
+            i, k, v, q_smem, do_smem, ready, empty, dk, dv, ds, lse_next, delta_next, L, DELTA, lse_base, keys,
+            first, last, qk_scale, False, BLOCK_M, BLOCK_N, STAGES, st_layout, op_layout)
+
+    dk_tok = warpgroup_mma(ds, q_smem.index((n_tiles - 1) % STAGES), dk, is_async=True)
+    dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
+    mbarrier.arrive(empty.index((n_tiles - 1) % STAGES), count=1)
+
+    # This consumer's K and V rows are dead (their last matmuls retired): they hold dK and dV on their way out.
+    k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [k_row, k_col], k)
+    tma.async_copy_shared_to_global(dv_desc, [v_row, v_col], v)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                   k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale,
+                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr):
+    first_key = n0 + CONSUMER * BLOCK_M
+    mbarrier.wait(res_ready, 0)
+    if first_key < N:
+        _dkdv_rows(dk_desc, dv_desc, L, DELTA, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem,
+                   ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col, first_key,
+                   lse_base, first, n_tiles, qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+    else:
+        _release(ready, empty, 0, n_tiles, STAGES)
+
+
+@gluon.jit
+def attn_bwd_dkdv_hopper(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, DELTA,
+    q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
+    do_rows_b, do_rows_h, do_cols_h,
+    H, N, qk_scale, scale,
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, head), query tiles of BLOCK_N streamed.
+
+    dK and dV are written through dk_desc and dv_desc, which index like k_desc and v_desc.
+    """
+    dtype: gl.constexpr = k_desc.dtype
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+
+    pid_n = gl.program_id(0)  # causal: the first key rows see the most queries, and launch first
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    n0 = pid_n * ROWS
+    if CAUSAL:
+        first = n0 // BLOCK_N  # queries above the program's first key see none of its keys
+    else:
+        first = 0
+    n_tiles = N // BLOCK_N - first
+
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], do_desc.layout)
+    res_ready, ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
+
+    k_row = b * k_rows_b + h * k_rows_h + n0
+    k_col = h * k_cols_h
+    v_row = b * v_rows_b + h * v_rows_h + n0
+    v_col = h * v_cols_h
+    lse_base = bh * N
+    q_row = b * q_rows_b + h * q_rows_h
+    do_row = b * do_rows_b + h * do_rows_h
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 0, CAUSAL,
+                              BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 1, CAUSAL,
+                              BLOCK_M, BLOCK_N, STAGES)),
+            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                             k_row, k_col, v_row, v_col, q_row, h * q_cols_h, do_row, h * do_cols_h, first, n_tiles,
+                             STAGES, NUM_CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 0, CAUSAL,
+                              BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 1, CAUSAL,
+                              BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 2, CAUSAL,
+                              BLOCK_M, BLOCK_N, STAGES)),
+            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                             k_row, k_col, v_row, v_col, q_row, h * q_cols_h, do_row, h * do_cols_h, first, n_tiles,
+                             STAGES, NUM_CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -40,13 +40,13 @@ disk when the installed triton supports it. FLASH_ATTN_AUTOTUNE=0 uses one fixed
 (DEFAULT_TILES) instead, e.g. for quick test runs. Under TRITON_INTERPRET=1 (CPU) the one small
 INTERPRET_TILES config runs. The kernels themselves are in flash_triton_kernels.py.
 
-Hopper forward. On an sm_90 GPU, bf16/fp16 inputs with head dim 64 or 128, as many keys as queries, a sequence
-that is a multiple of 128 and at least flash_hopper.MIN_SCORES scores run the forward in flash_hopper_kernels.py:
-a Gluon kernel with a TMA producer warp and two or three consumer warpgroups, each overlapping its softmax of a key
-tile with the P V matmul of the tile before (FlashAttention-3's schedule, which Triton's compiler does not produce
-from the kernel above). It writes the same O and L, so the backward below is unchanged.
-flash_hopper.forward_problem says why an input does not qualify; FLASH_HOPPER_FORWARD=0, or forced `tiles`, keep
-the Triton forward.
+Hopper kernels. On an sm_90 GPU, bf16/fp16 inputs with head dim 64 or 128, as many keys as queries, a sequence
+that is a multiple of 128 and at least flash_hopper.MIN_SCORES scores run the forward and the backward in
+flash_hopper_kernels.py: Gluon kernels with a TMA producer warp and two or three consumer warpgroups, each
+overlapping the elementwise work of one tile with the matmuls of the tile before (FlashAttention-3's schedule,
+which Triton's compiler does not produce from the kernels above). They read and write the same O, L and gradients,
+and the backward keeps the Triton delta pre-pass. flash_hopper.forward_problem / backward_problem say why an input
+does not qualify; FLASH_HOPPER_FORWARD=0 / FLASH_HOPPER_BACKWARD=0, or forced `tiles`, keep the Triton kernels.
 
 torch.compile. Eager code calls the autograd.Function. Compiled code calls the flash_op / flash_backward_op
 triton_ops at the bottom of this file: Inductor launches the kernels itself and runs the same autotuner (or the
@@ -430,23 +430,21 @@ def flash_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
     causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) by recomputation from lse. `tiles` ({"dkdv": ..., "dq": ...}) forces configs."""
-    tiles = tiles or {}
+    """(dq, dk, dv) by recomputation from lse. `tiles` ({"dkdv": ..., "dq": ...}) forces Triton configs."""
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
+    lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
+    if not tiles and flash_hopper.backward_problem(q4, k4, v4, do4, causal) is None:
+        grads = (hopper_backward_op if traceable else _hopper_backward)(q4, k4, v4, o4, lse, do4, causal, scale)
+        return tuple(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v)))
+    tiles = tiles or {}
     b, h, n_q, d = q4.shape
     n_k = k4.shape[-2]
     meta = _meta(q, causal)
-
-    delta = _alloc((b, h, n_q), torch.float32, q.device)
-    lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
     dq, dk, dv = (_alloc_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = _as_bhsd(dq), _as_bhsd(dk), _as_bhsd(dv)
     qk_scale = scale * math.log2(math.e)
     with _on_device_of(q):
-        _launchable(_kernels().attn_bwd_delta, traceable)[(triton.cdiv(n_q, DELTA_BLOCK_M), b * h)](
-            o4, do4, delta, *_strides(o4), *_strides(do4), h, n_q,
-            D=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=DELTA_BLOCK_M,
-        )
+        delta = _delta(o4, do4, traceable)
         args = (q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
                 *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale)
         _launch("dkdv", (n_q, n_k), b * h, args, meta, q, tiles.get("dkdv"), traceable)
@@ -454,6 +452,24 @@ def flash_backward(
                 *_strides(dq4), h, n_q, n_k, qk_scale, scale)
         _launch("dq", (n_q, n_k), b * h, args, meta, q, tiles.get("dq"), traceable)
     return dq, dk, dv
+
+
+def _delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool = False) -> torch.Tensor:
+    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term both backward kernels read."""
+    b, h, n_q, d = o4.shape
+    delta = _alloc((b, h, n_q), torch.float32, o4.device)
+    _launchable(_kernels().attn_bwd_delta, traceable)[(triton.cdiv(n_q, DELTA_BLOCK_M), b * h)](
+        o4, do4, delta, *_strides(o4), *_strides(do4), h, n_q, D=d, BLOCK_D=_block_d(d), BLOCK_M=DELTA_BLOCK_M,
+    )
+    return delta
+
+
+def _hopper_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
+                     do4: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq4, dk4, dv4 = (_alloc_like(t) for t in (q4, k4, v4))
+    with _on_device_of(q4):
+        flash_hopper.backward(q4, k4, v4, do4, lse, _delta(o4, do4), dq4, dk4, dv4, causal, scale)
+    return dq4, dk4, dv4
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -527,6 +543,19 @@ def hopper_forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, caus
 @hopper_forward_op.register_fake
 def _(q4, k4, v4, causal, scale):
     return _alloc_like(q4), q4.new_empty(q4.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_lm::flash_attn_bwd_hopper", mutates_args=())
+def hopper_backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
+                       do4: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that flash_hopper.backward_problem accepted."""
+    return _hopper_backward(q4, k4, v4, o4, lse, do4, causal, scale)
+
+
+@hopper_backward_op.register_fake
+def _(q4, k4, v4, o4, lse, do4, causal, scale):
+    return _alloc_like(q4), _alloc_like(k4), _alloc_like(v4)
 
 
 @torch.library.custom_op("flash_lm::flash_attn_fwd_opaque", mutates_args=())

@@ -1,5 +1,6 @@
-"""flash's Gluon Hopper forward (attention/flash_hopper.py): which inputs it takes, the 2-D views its descriptors
-read, and on an sm_90 GPU its O and L against float64, through flash's dispatch, autograd and torch.compile."""
+"""flash's Gluon Hopper kernels (attention/flash_hopper.py): which inputs they take, the 2-D views their descriptors
+read, and on an sm_90 GPU the forward's O and L and the backward's dQ, dK, dV against float64, through flash's
+dispatch, autograd and torch.compile."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def make_qkv(b, h, n, d, dtype, layout, seed=0, device=DEVICE):
 
 def reference(q, k, v, causal, scale):
     """(o, lse) in float64 on the CPU, by the naive formula."""
-    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
+    return attention64(*(t.detach().cpu().double() for t in (q, k, v)), causal, scale)
+
+
+def attention64(q, k, v, causal, scale):
+    """(o, lse) of float64 tensors, differentiable."""
     s = q @ k.transpose(-2, -1) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
@@ -65,8 +70,13 @@ def test_rows_view_refuses_other_memory_orders():
 def test_forward_problem_names_the_reason(monkeypatch):
     q = randn(1, 2, 128, 64, device="cpu")
     assert flash_hopper.forward_problem(q, q, q, True) == "it needs CUDA tensors"
+    assert flash_hopper.backward_problem(q, q, q, q, True) == "it needs CUDA tensors"
+    assert "dO is torch.float16" in flash_hopper.backward_problem(q, q, q, q.half(), True)
     monkeypatch.setenv("FLASH_HOPPER_FORWARD", "0")
     assert "FLASH_HOPPER_FORWARD=0" in flash_hopper.forward_problem(q, q, q, True)
+    assert flash_hopper.backward_problem(q, q, q, q, True) == "it needs CUDA tensors"
+    monkeypatch.setenv("FLASH_HOPPER_BACKWARD", "0")
+    assert "FLASH_HOPPER_BACKWARD=0" in flash_hopper.backward_problem(q, q, q, q, True)
 
 
 @requires_hopper
@@ -82,8 +92,11 @@ def test_forward_problem_on_the_gpu(monkeypatch, q_shape, k_len, dtype, message)
     q = randn(b, h, n, d, dtype=dtype)
     k = randn(b, h, k_len, d, dtype=dtype)
     assert message in flash_hopper.forward_problem(q, k, k, False)
+    assert message in flash_hopper.backward_problem(q, k, k, q, False)
     ok = randn(1, 2, 256, 64, dtype=torch.bfloat16)
     assert flash_hopper.forward_problem(ok, ok, ok, True) is None
+    assert flash_hopper.backward_problem(ok, ok, ok, ok, True) is None
+    assert "dO is neither" in flash_hopper.backward_problem(ok, ok, ok, ok.transpose(-2, -1), True)
     monkeypatch.setattr(flash_hopper, "MIN_SCORES", 2**16 + 1)  # 2 * 256^2 / 2 = 2^16 causal scores
     assert "too few" in flash_hopper.forward_problem(ok, ok, ok, True)
     assert flash_hopper.forward_problem(ok, ok, ok, False) is None
@@ -95,6 +108,18 @@ def test_three_consumers_only_when_every_sm_gets_four_programs():
     for d in flash_hopper.HEAD_DIMS:
         for t in (flash_hopper.tiles_for(d, 16384, 16, 132), flash_hopper.tiles_for(d, 128, 1, 132)):
             assert flash_hopper.SEQ_MULTIPLE % t.block_n == 0 and flash_hopper.SEQ_MULTIPLE % t.block_m == 0
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_backward_tiles(causal):
+    assert flash_hopper.backward_tiles_for(64, 16384, 16, 132, causal)["dq"].consumers == 3
+    assert flash_hopper.backward_tiles_for(64, 4096, 16, 132, causal)["dq"].consumers == 2
+    for d in flash_hopper.HEAD_DIMS:
+        for n, bh in ((16384, 16), (128, 1)):
+            for t in flash_hopper.backward_tiles_for(d, n, bh, 132, causal).values():
+                assert flash_hopper.SEQ_MULTIPLE % t.block_n == 0 and flash_hopper.SEQ_MULTIPLE % t.block_m == 0
+                # two resident and `stages` pairs of streamed bf16 tiles in one SM's 227 KB of shared memory
+                assert (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 <= 227 * 1024
 
 
 TILES = [HopperTiles(consumers=2, block_n=128, stages=3), HopperTiles(consumers=3, block_n=128, stages=3),
@@ -144,8 +169,10 @@ def test_flash_runs_it_and_falls_back_with_the_switch(monkeypatch):
 def test_gradients_through_flash_match_float64(monkeypatch, compiled):
     monkeypatch.setattr(flash_hopper, "MIN_SCORES", 0)
     calls = []
-    real = flash_hopper.forward
-    monkeypatch.setattr(flash_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for kernel in ("forward", "backward"):
+        real = getattr(flash_hopper, kernel)
+        monkeypatch.setattr(flash_hopper, kernel, lambda *a, real=real, kernel=kernel, **kw: calls.append(kernel)
+                            or real(*a, **kw))
     torch._dynamo.reset()
     flash = flash_triton.flash_attention
     fn = torch.compile(flash, fullgraph=True) if compiled else flash
@@ -158,6 +185,110 @@ def test_gradients_through_flash_match_float64(monkeypatch, compiled):
                                                            float("-inf"))
     o64 = torch.softmax(s, dim=-1) @ v64
     grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
-    assert calls, "the Hopper forward did not run"
+    assert set(calls) == {"forward", "backward"}, calls
     for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
         assert rel(got, want) <= 2e-2, name
+
+
+BACKWARD_TILES = [
+    {"dkdv": HopperTiles(2, 64, 4), "dq": HopperTiles(2, 64, 3)},
+    {"dkdv": HopperTiles(2, 32, 4), "dq": HopperTiles(3, 64, 3)},
+    {"dkdv": HopperTiles(3, 64, 2), "dq": HopperTiles(2, 128, 3)},
+]
+
+def _tiles_id(tiles):
+    return "-".join(f"{k}c{t.consumers}n{t.block_n}s{t.stages}" for k, t in tiles.items())
+
+
+def _backward_smem(t: HopperTiles, d: int) -> int:
+    return (2 * t.rows + 2 * t.stages * t.block_n) * d * 2  # two resident and two streamed bf16 tiles
+
+
+def gradients_reference(q, k, v, do, causal, scale):
+    """(o, lse, dq, dk, dv) in float64 on the CPU."""
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    o64, lse64 = attention64(q64, k64, v64, causal, scale)
+    return (o64.detach(), lse64.detach(), *torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double()))
+
+
+@requires_hopper
+@pytest.mark.parametrize("tiles", BACKWARD_TILES, ids=_tiles_id)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("b, h, n, d", [(1, 2, 128, 64), (2, 3, 384, 64), (1, 2, 640, 128), (1, 1, 1024, 64)],
+                         ids=str)
+def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
+    if any(_backward_smem(t, d) > 227 * 1024 for t in tiles.values()):
+        pytest.skip("these tiles take more shared memory than an SM has at d 128")
+    q, k, v = make_qkv(b, h, n, d, dtype, layout, seed=n + d)
+    other = "bhsd" if layout == "bshd" else "bshd"  # dO arrives in its own memory order
+    do = make_qkv(b, h, n, d, dtype, other, seed=7 * n)[0]
+    scale = d ** -0.5
+    o64, lse64, *grads64 = gradients_reference(q, k, v, do, causal, scale)
+    o = o64.to(DEVICE, dtype)
+    lse = lse64.to(DEVICE, torch.float32).contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # every element must be written
+    flash_hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles)
+    for name, got, want, like in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, (q, k, v)):
+        assert got.stride() == like.stride(), name
+        assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
+
+
+@requires_hopper
+def test_flash_backward_runs_it_and_falls_back_with_the_switch(monkeypatch):
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 0)
+    calls = []
+    real = flash_hopper.backward
+    monkeypatch.setattr(flash_hopper, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bshd", seed=3)
+    do = randn(2, 4, 512, 64, seed=4, dtype=torch.bfloat16)
+    o, lse = flash_triton.flash_forward(q, k, v, True, 0.125)
+    hopper = flash_triton.flash_backward(q, k, v, o, lse, do, True, 0.125)
+    assert calls == [1]
+    monkeypatch.setenv("FLASH_HOPPER_BACKWARD", "0")
+    triton_grads = flash_triton.flash_backward(q, k, v, o, lse, do, True, 0.125)
+    assert calls == [1]
+    for got, want in zip(hopper, triton_grads):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    monkeypatch.delenv("FLASH_HOPPER_BACKWARD")
+    repeat = flash_triton.flash_backward(q, k, v, o, lse, do, True, 0.125)
+    assert calls == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(repeat, hopper)), "the Hopper backward is not deterministic"
+
+
+@requires_hopper
+def test_backward_replays_in_a_cuda_graph(monkeypatch):
+    """dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager result."""
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 0)
+    q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bhsd", seed=11)
+    do = randn(2, 4, 512, 64, seed=12, dtype=torch.bfloat16)
+    o, lse = flash_triton.flash_forward(q, k, v, True, 0.125)
+    eager = flash_triton.flash_backward(q, k, v, o, lse, do, True, 0.125)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as torch.cuda.graphs asks
+        flash_triton.flash_backward(q, k, v, o, lse, do, True, 0.125)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_triton.flash_backward(q, k, v, o, lse, do, True, 0.125)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+
+
+@requires_hopper
+def test_backward_serial_and_overlapped_agree(monkeypatch):
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 0)
+    q, k, v = make_qkv(1, 3, 1024, 64, torch.float16, "bshd", seed=13)
+    do = randn(1, 3, 1024, 64, seed=14, dtype=torch.float16)
+    o, lse = flash_triton.flash_forward(q, k, v, False, 0.125)
+    overlapped = flash_triton.flash_backward(q, k, v, o, lse, do, False, 0.125)
+    monkeypatch.setattr(flash_hopper, "OVERLAP_BACKWARD", False)
+    serial = flash_triton.flash_backward(q, k, v, o, lse, do, False, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, serial))
