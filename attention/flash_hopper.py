@@ -188,6 +188,12 @@ def _output_descriptor(out: torch.Tensor, like: torch.Tensor, block_rows: int):
     return desc
 
 
+def _meta(t: HopperTiles, causal: bool) -> dict:
+    """The compile-time arguments every Hopper kernel takes; each consumer is one warpgroup of 4 warps."""
+    return dict(CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
+                CONSUMER_REGS=t.consumer_regs, num_warps=4)
+
+
 def _check_tiles(n: int, t: HopperTiles) -> None:
     if n % t.block_m or n % t.block_n:
         raise ValueError(f"sequence length {n} is not a multiple of the tiles {t.block_m} and {t.block_n}")
@@ -209,8 +215,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
         q_desc, k_desc, v_desc, _output_descriptor(o, q, t.block_m), lse, *q_index, *k_index, *v_index,
         h, n, scale * math.log2(math.e),
-        CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
-        CONSUMER_REGS=t.consumer_regs, num_warps=4,
+        **_meta(t, causal),
     )
 
 
@@ -279,8 +284,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
         q_desc, k_desc, v_desc, do_desc, _output_descriptor(dk, k, t.block_m), _output_descriptor(dv, v, t.block_m),
         lse, delta, *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
-        CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
-        CONSUMER_REGS=t.consumer_regs, num_warps=4,
+        **_meta(t, causal),
     )
 
 
@@ -300,6 +304,5 @@ def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
         q_desc, k_desc, v_desc, do_desc, _output_descriptor(dq, q, t.block_m), lse, delta,
         *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
-        CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
-        CONSUMER_REGS=t.consumer_regs, num_warps=4,
+        **_meta(t, causal),
     )
