@@ -2,8 +2,10 @@
 
 For each shape: dQ, dK, dV of both flash backwards and of cuDNN against an fp32 reference (SDPA's memory-efficient
 kernel on fp32 copies), whether the Hopper one repeats bitwise; then do_bench medians, on the same inputs, of the
-Hopper dK/dV and dQ kernels alone for every config, the whole backward (Hopper, Triton, cuDNN), and forward+backward
-(flash, cuDNN). The Triton backward's kernels are timed apart with torch.profiler.
+Hopper dK/dV and dQ kernels alone for every config in CONFIGS, the whole backward (Hopper, Triton, cuDNN; the Hopper
+one also timed as a CUDA graph and back to back, with the host's time to issue it), the forwards, and
+forward+backward (flash, cuDNN), with the Hopper backward's dQ on a second stream and serial. Both flash backwards'
+kernels are also timed apart with torch.profiler.
 Usage: PYTHONPATH=. python3 tests/gpu/experiments/flash_hopper_bwd.py [shape index ...]"""
 
 import contextlib
