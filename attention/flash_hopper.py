@@ -181,9 +181,10 @@ def _descriptor(t: torch.Tensor, block_rows: int):
         (rows_b, rows_h, cols_h)
 
 
-def _output_descriptor(out: torch.Tensor, like: torch.Tensor, block_rows: int):
+def _output_descriptor(out: torch.Tensor, input_index: tuple[int, int, int], block_rows: int):
+    """A descriptor for an output, which must be in the memory order of the input whose view index is given."""
     desc, index = _descriptor(out, block_rows)
-    if index != rows_index(like)[:3]:
+    if index != input_index:
         raise ValueError("an output must be in its input's memory order")
     return desc
 
@@ -213,7 +214,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     k_desc, k_index = _descriptor(k, t.block_n)
     v_desc, v_index = _descriptor(v, t.block_n)
     attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, _output_descriptor(o, q, t.block_m), lse, *q_index, *k_index, *v_index,
+        q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m), lse, *q_index, *k_index, *v_index,
         h, n, scale * math.log2(math.e),
         **_meta(t, causal),
     )
@@ -282,7 +283,8 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     v_desc, v_index = _descriptor(v, t.block_m)
     do_desc, do_index = _descriptor(do, t.block_n)
     attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dk, k, t.block_m), _output_descriptor(dv, v, t.block_m),
+        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dk, k_index, t.block_m),
+        _output_descriptor(dv, v_index, t.block_m),
         lse, delta, *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
         **_meta(t, causal),
     )
@@ -302,7 +304,7 @@ def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     v_desc, v_index = _descriptor(v, t.block_n)
     do_desc, do_index = _descriptor(do, t.block_m)
     attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dq, q, t.block_m), lse, delta,
+        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dq, q_index, t.block_m), lse, delta,
         *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
         **_meta(t, causal),
     )

@@ -154,6 +154,14 @@ def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_c
 
 
 @gluon.jit
+def _release(ready, empty, lo, hi, STAGES: gl.constexpr):
+    """Give back streamed tiles [lo, hi) this consumer does not use, once loaded."""
+    for i in range(lo, hi):
+        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
+
+
+@gluon.jit
 def _consumer(o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0, lse_base, N,
               n_tiles, qk_scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -167,9 +175,7 @@ def _consumer(o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_e
         n_done = 0
     # Tiles past this consumer's last row (causal) are still loaded for the others: release them once loaded, so
     # an arrival never counts toward a slot's previous use.
-    for j in range(n_done, n_tiles):
-        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-        mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+    _release(v_ready, kv_empty, n_done, n_tiles, STAGES)
 
 
 @gluon.jit
@@ -300,14 +306,6 @@ def _ring_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()  # the initialised barriers, visible to the TMA unit
     return res_ready, ready, empty
-
-
-@gluon.jit
-def _release(ready, empty, lo, hi, STAGES: gl.constexpr):
-    """Give back streamed tiles [lo, hi) this consumer does not use, once loaded (see _consumer)."""
-    for i in range(lo, hi):
-        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-        mbarrier.arrive(empty.index(i % STAGES), count=1)
 
 
 @gluon.jit

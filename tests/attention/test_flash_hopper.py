@@ -67,6 +67,17 @@ def test_rows_view_refuses_other_memory_orders():
     assert flash_hopper.rows_view(randn(2, 3, 10, 8, device="cpu")[:, :, ::2]) is None  # strided seq
 
 
+@pytest.mark.skipif(flash_hopper._gluon_problem() is not None, reason="needs triton's Gluon")
+def test_output_descriptor_needs_the_input_memory_order():
+    q = randn(2, 3, 128, 64, dtype=torch.bfloat16, device="cpu")
+    _, q_index = flash_hopper._descriptor(q, 64)
+    assert q_index == (3 * 128, 128, 0)
+    assert flash_hopper._output_descriptor(torch.empty_like(q), q_index, 64).block_shape == [64, 64]
+    other_order = randn(2, 128, 3, 64, dtype=torch.bfloat16, device="cpu").transpose(1, 2)
+    with pytest.raises(ValueError, match="memory order"):
+        flash_hopper._output_descriptor(other_order, q_index, 64)
+
+
 def test_forward_problem_names_the_reason(monkeypatch):
     q = randn(1, 2, 128, 64, device="cpu")
     assert flash_hopper.forward_problem(q, q, q, True) == "it needs CUDA tensors"
