@@ -181,6 +181,22 @@ def _descriptor(t: torch.Tensor, block_rows: int):
         (rows_b, rows_h, cols_h)
 
 
+def _row_stats_descriptor(stats: torch.Tensor, block: int):
+    """A 1-D TMA descriptor over a contiguous fp32 (batch * heads, seq) L or delta, in blocks of `block` rows."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if not stats.is_contiguous() or stats.dtype != torch.float32:
+        raise ValueError(f"L and delta must be contiguous float32, got {stats.dtype} with strides {stats.stride()}")
+    return TensorDescriptor.from_tensor(stats.view(-1), [block], _stats_layout())
+
+
+@functools.cache
+def _stats_layout():
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
 def _output_descriptor(out: torch.Tensor, input_index: tuple[int, int, int], block_rows: int):
     """A descriptor for an output, which must be in the memory order of the input whose view index is given."""
     desc, index = _descriptor(out, block_rows)
@@ -220,13 +236,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     )
 
 
-def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int, causal: bool) -> dict[str, HopperTiles]:
+def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[str, HopperTiles]:
     """dK/dV and dQ tiles: 64 resident rows per consumer; 64-row streamed tiles (32 for dK/dV at d 128).
 
-    Measured on the H100 (results/README.md, eighth session), each against the other configs in the same run:
+    Measured on the H100 (results/README.md, eighth and ninth sessions), each against the other configs in the same
+    run:
     - dK/dV keeps two consumers. Three get 160 registers each, too few for its two accumulators and two score tiles
-      (they spill), except with 32-row query tiles, which ran 8-13% slower than two consumers' best. At d 64 four
-      slots ran 4-8% faster than three when causal, and three 12% faster than four when not (two runs each).
+      (they spill), except with 32-row query tiles, which ran 8-13% slower than two consumers' best. Four slots:
+      it issues the next tile's S^T before it releases the tile before, and with three slots that waits on the
+      load (9-13% slower without a mask than four slots).
     - dQ at d 64 takes three consumers, as the forward does, when that still gives every SM four programs: 5-9%
       faster than two at N16384. At d 128 three consumers ran 44% slower than two.
     """
@@ -235,7 +253,7 @@ def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int, causal: 
     dq = HopperTiles(3, 64, 4)
     if batch_heads * math.ceil(n / dq.rows) < 4 * sm_count:
         dq = HopperTiles(2, 64, 4)
-    return {"dkdv": HopperTiles(2, 64, 4 if causal else 3), "dq": dq}
+    return {"dkdv": HopperTiles(2, 64, 4), "dq": dq}
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
@@ -246,7 +264,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
     b, h, n, d = q.shape
-    tiles = {**backward_tiles_for(d, n, b * h, _sm_count(q.device.index or 0), causal), **(tiles or {})}
+    tiles = {**backward_tiles_for(d, n, b * h, _sm_count(q.device.index or 0)), **(tiles or {})}
     if not OVERLAP_BACKWARD:
         backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"])
         backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"])
@@ -284,8 +302,9 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     do_desc, do_index = _descriptor(do, t.block_n)
     attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
         q_desc, k_desc, v_desc, do_desc, _output_descriptor(dk, k_index, t.block_m),
-        _output_descriptor(dv, v_index, t.block_m),
-        lse, delta, *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
+        _output_descriptor(dv, v_index, t.block_m), _row_stats_descriptor(lse, t.block_n),
+        _row_stats_descriptor(delta, t.block_n), *q_index, *k_index, *v_index, *do_index, h, n,
+        scale * math.log2(math.e), scale,
         **_meta(t, causal),
     )
 

@@ -266,9 +266,10 @@ def attn_fwd_hopper(
 # pre-pass. Both stay deterministic: every output row is summed by one consumer, in one order.
 #
 # dQ: for key tile j a consumer issues S_j = Q K_j^T, dP_j = dO V_j^T and then dQ += dS_{j-1} K_{j-1}, and computes
-# P_j and dS_j while those run. dK/dV: for query tile i it issues S^T_i = K Q_i^T, dP^T_i = V dO_i^T and
-# dK += dS^T_{i-1} Q_{i-1}, computes P^T_i, issues dV += P^T_i dO_i, and computes dS^T_i beside the rest. Both wait
-# for their last matmul at the end of the tile (see _dkdv_query_tile).
+# P_j and dS_j while those run. dK/dV: tile i's S^T_i = K Q_i^T is already done when the tile starts; the consumer
+# issues dP^T_i = V dO_i^T and dK += dS^T_{i-1} Q_{i-1}, computes P^T_i, issues dV += P^T_i dO_i, computes dS^T_i,
+# and issues S^T_{i+1} before it waits for the rest. Both wait for their last matmul at the end of the tile (see
+# _dkdv_query_tile).
 # ----------------------------------------------------------------------------------------------------------
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -277,19 +278,28 @@ LOG2E = gl.constexpr(1.4426950408889634)
 @gluon.jit
 def _bwd_producer(r0_desc, r1_desc, t0_desc, t1_desc, r0_smem, r1_smem, t0_smem, t1_smem, res_ready, ready, empty,
                   r0_row, r0_col, r1_row, r1_col, t0_row, t0_col, t1_row, t1_col, first, n_tiles,
-                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """Each consumer's two resident tiles, then streamed tiles first .. first + n_tiles - 1 of two tensors."""
+                  STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                  lse_desc=None, delta_desc=None, lse_smem=None, delta_smem=None, stats_base=0):
+    """Each consumer's two resident tiles, then streamed tiles first .. first + n_tiles - 1 of two tensors, and with
+    lse_desc (dK/dV) the same tiles' L and delta, flat (batch * heads * seq) vectors from stats_base on."""
     R: gl.constexpr = r0_desc.block_type.shape[0]
     T: gl.constexpr = t0_desc.block_type.shape[0]
+    STATS: gl.constexpr = lse_desc is not None
     mbarrier.expect(res_ready, NUM_CONSUMERS * (r0_desc.block_type.nbytes + r1_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(r0_desc, [r0_row + c * R, r0_col], res_ready, r0_smem.index(c))
         tma.async_copy_global_to_shared(r1_desc, [r1_row + c * R, r1_col], res_ready, r1_smem.index(c))
+    tile_bytes: gl.constexpr = t0_desc.block_type.nbytes + t1_desc.block_type.nbytes
     for i in range(n_tiles):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes the first wait
-        mbarrier.expect(ready.index(slot), t0_desc.block_type.nbytes + t1_desc.block_type.nbytes)
         row = (first + i) * T
+        if STATS:
+            mbarrier.expect(ready.index(slot), tile_bytes + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(lse_desc, [stats_base + row], ready.index(slot), lse_smem.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [stats_base + row], ready.index(slot), delta_smem.index(slot))
+        else:
+            mbarrier.expect(ready.index(slot), tile_bytes)
         tma.async_copy_global_to_shared(t0_desc, [t0_row + row, t0_col], ready.index(slot), t0_smem.index(slot))
         tma.async_copy_global_to_shared(t1_desc, [t1_row + row, t1_col], ready.index(slot), t1_smem.index(slot))
 
@@ -465,47 +475,64 @@ def attn_bwd_dq_hopper(
 
 
 @gluon.jit
-def _dkdv_query_tile(i, k, v, q_smem, do_smem, ready, empty, dk, dv, ds, lse, delta, L, DELTA, lse_base, keys, first,
-                     last, qk_scale, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr):
+def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, ds, keys, first,
+                     n_band, qk_scale, CAUSAL: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr):
     """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs.
 
-    lse and delta are tile i's, loaded one tile ahead; returns dK through tile i-1, dV through tile i, dS^T of tile
-    i, and tile i+1's lse and delta (tile `last`'s again at the end).
+    st is tile i's S^T = K Q_i^T, computed during the tile before. With NEXT, tile i+1's S^T is issued before this
+    tile waits for its dK and dV matmuls, so the next tile starts on the exponentials at once: 2-11% faster at the
+    causal shapes on the H100, the same without a mask given four slots (results/README.md, ninth session). Returns
+    dK through tile i-1, dV through tile i, dS^T of tile i and, with NEXT, tile i+1's S^T.
     """
     dtype: gl.constexpr = q_smem.dtype
     col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
     slot = i % STAGES
     prev = (i - 1) % STAGES
-    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-    st_tok = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)),
-                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
     dpt_tok = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)),
                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
     dk_tok = warpgroup_mma(ds, q_smem.index(prev), dk, is_async=True)
-    # The next tile's row statistics: a global load's latency is several score matmuls long.
-    nxt = gl.minimum(first + i + 1, last) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-    lse_next = gl.load(L + lse_base + nxt)
-    delta_next = gl.load(DELTA + lse_base + nxt)
-    st = warpgroup_mma_wait(num_outstanding=2, deps=[st_tok])
-    pt = gl.exp2(st * qk_scale - (lse * LOG2E)[None, :])
-    if MASK:
-        cols = (first + i) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)  # query positions
-        pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
+    # The tile's row statistics came with it (the producer's TMA): a shared-memory read, while the matmuls run.
+    lse2 = lse_smem.index(slot).load(col_s) * LOG2E
+    delta = delta_smem.index(slot).load(col_s)
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    if CAUSAL:
+        if i < n_band:  # one loop for the band and the rest: one copy of the tile's code, a branch per tile
+            cols = (first + i) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)  # query positions
+            pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
     dst = pt * (dpt - delta[None, :])
-    # This tile's dV is waited for here: leaving it in flight across the loop's back edge measured 18-25% slower
-    # (2.45 against 2.06 ms at the leaderboard shape; results/README.md, eighth session).
-    dk, dv, ds, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, dv_tok, ds, pt_op])
-    mbarrier.arrive(empty.index(prev), count=1)  # Q of tile i-1 (dK) and dO of tile i-1 (dV) are read
-    return dk, dv, gl.convert_layout(dst.to(dtype), op_layout), lse_next, delta_next
+    if NEXT and STAGES > 2:
+        nxt = (i + 1) % STAGES
+        mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1)
+        st_tok = warpgroup_mma(k, q_smem.index(nxt).permute((1, 0)),
+                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
+        # All three are waited for: an accumulator still in flight across the loop's back edge makes ptxas serialise
+        # every wgmma of the kernel (C7514, "non wgmma instructions reading accumulator registers").
+        dk, dv, ds, pt_op, st = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, dv_tok, ds, pt_op, st_tok])
+        mbarrier.arrive(empty.index(prev), count=1)  # Q, dO, L and delta of tile i-1 are read
+    else:
+        dk, dv, ds, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, dv_tok, ds, pt_op])
+        mbarrier.arrive(empty.index(prev), count=1)
+        if NEXT:  # two slots: tile i+1 loads into tile i-1's slot, free only now (waiting first would deadlock)
+            st = _next_scores(k, q_smem, ready, i + 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
+    return dk, dv, gl.convert_layout(dst.to(dtype), op_layout), st
 
 
 @gluon.jit
-def _dkdv_rows(dk_desc, dv_desc, L, DELTA, k, v, q_smem, do_smem, ready, empty, k_row, k_col, v_row, v_col,
-               first_key, lse_base, first, n_tiles, qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 layout: gl.constexpr):
+    """a b_i^T for streamed tile i, once loaded, waited for."""
+    mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+    return warpgroup_mma(a, b_smem.index(i % STAGES).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout),
+                         use_acc=False)
+
+
+@gluon.jit
+def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
+               v_col, first_key, first, n_tiles, qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """dK and dV of one consumer's BLOCK_M key rows over every streamed query tile, written out."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -517,7 +544,7 @@ def _dkdv_rows(dk_desc, dv_desc, L, DELTA, k, v, q_smem, do_smem, ready, empty, 
     col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
 
     keys = first_key + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-    last = first + n_tiles - 1
+    last = n_tiles - 1
     if CAUSAL:
         # Query tiles that start before this consumer's last key hold masked scores. The program's first tiles may
         # lie wholly above this consumer's keys: masked to zero, not skipped.
@@ -527,21 +554,18 @@ def _dkdv_rows(dk_desc, dv_desc, L, DELTA, k, v, q_smem, do_smem, ready, empty, 
     dk = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
 
-    # Tile 0: dV and dS^T only; its dK matmul is issued beside tile 1's score matmuls (or after the loops).
-    cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-    lse2 = gl.load(L + lse_base + cols) * LOG2E
-    delta = gl.load(DELTA + lse_base + cols)
+    # Tile 0: dV and dS^T only; its dK matmul is issued beside tile 1's dP^T (or after the loop).
     mbarrier.wait(ready.index(0), 0)
     st_tok = warpgroup_mma(k, q_smem.index(0).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
     dpt_tok = warpgroup_mma(v, do_smem.index(0).permute((1, 0)),
                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
-    nxt = gl.minimum(first + 1, last) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-    lse_next = gl.load(L + lse_base + nxt)
-    delta_next = gl.load(DELTA + lse_base + nxt)
+    lse2 = lse_smem.index(0).load(col_s) * LOG2E
+    delta = delta_smem.index(0).load(col_s)
     st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
     pt = gl.exp2(st * qk_scale - lse2[None, :])
     if CAUSAL:
+        cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
         pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(0), dv, is_async=True)
@@ -550,19 +574,19 @@ def _dkdv_rows(dk_desc, dv_desc, L, DELTA, k, v, q_smem, do_smem, ready, empty, 
     dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
     ds = gl.convert_layout(dst.to(dtype), op_layout)
 
-    if CAUSAL:
-        for i in range(1, n_band):
-            dk, dv, ds, lse_next, delta_next = _dkdv_query_tile(
-                i, k, v, q_smem, do_smem, ready, empty, dk, dv, ds, lse_next, delta_next, L, DELTA, lse_base, keys,
-                first, last, qk_scale, True, BLOCK_M, BLOCK_N, STAGES, st_layout, op_layout)
-    for i in range(gl.maximum(n_band, 1), n_tiles):
-        dk, dv, ds, lse_next, delta_next = _dkdv_query_tile(
-            i, k, v, q_smem, do_smem, ready, empty, dk, dv, ds, lse_next, delta_next, L, DELTA, lse_base, keys,
-            first, last, qk_scale, False, BLOCK_M, BLOCK_N, STAGES, st_layout, op_layout)
+    if last > 0:
+        st = _next_scores(k, q_smem, ready, 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
+        for i in range(1, last):
+            dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
+                                              dv, ds, keys, first, n_band, qk_scale, CAUSAL, True, BLOCK_M, BLOCK_N,
+                                              STAGES, st_layout, op_layout)
+        dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
+                                          dv, ds, keys, first, n_band, qk_scale, CAUSAL, False, BLOCK_M, BLOCK_N,
+                                          STAGES, st_layout, op_layout)  # the last tile: no S^T to issue
 
-    dk_tok = warpgroup_mma(ds, q_smem.index((n_tiles - 1) % STAGES), dk, is_async=True)
+    dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
     dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
-    mbarrier.arrive(empty.index((n_tiles - 1) % STAGES), count=1)
+    mbarrier.arrive(empty.index(last % STAGES), count=1)
 
     # This consumer's K and V rows are dead (their last matmuls retired): they hold dK and dV on their way out.
     k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
@@ -574,23 +598,22 @@ def _dkdv_rows(dk_desc, dv_desc, L, DELTA, k, v, q_smem, do_smem, ready, empty, 
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                   k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale,
-                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr):
+def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready, ready, empty,
+                   k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, CONSUMER: gl.constexpr,
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     first_key = n0 + CONSUMER * BLOCK_M
     mbarrier.wait(res_ready, 0)
     if first_key < N:
-        _dkdv_rows(dk_desc, dv_desc, L, DELTA, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem,
-                   ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col, first_key,
-                   lse_base, first, n_tiles, qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
+                   delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
+                   first_key, first, n_tiles, qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
     else:
         _release(ready, empty, 0, n_tiles, STAGES)
 
 
 @gluon.jit
 def attn_bwd_dkdv_hopper(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, DELTA,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
     H, N, qk_scale, scale,
@@ -599,7 +622,8 @@ def attn_bwd_dkdv_hopper(
 ):
     """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, head), query tiles of BLOCK_N streamed.
 
-    dK and dV are written through dk_desc and dv_desc, which index like k_desc and v_desc.
+    dK and dV are written through dk_desc and dv_desc, which index like k_desc and v_desc. lse_desc and delta_desc
+    are 1-D descriptors over the flat (batch * heads * seq) L and delta, in blocks of BLOCK_N.
     """
     dtype: gl.constexpr = k_desc.dtype
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -620,6 +644,8 @@ def attn_bwd_dkdv_hopper(
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], delta_desc.layout)
     res_ready, ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
 
     k_row = b * k_rows_b + h * k_rows_h + n0
@@ -631,29 +657,29 @@ def attn_bwd_dkdv_hopper(
     do_row = b * do_rows_b + h * do_rows_h
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 0, CAUSAL,
-                              BLOCK_M, BLOCK_N, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 1, CAUSAL,
-                              BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 0,
+                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 1,
+                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, h * q_cols_h, do_row, h * do_cols_h, first, n_tiles,
-                             STAGES, NUM_CONSUMERS)),
+                             STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem, lse_base)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 0, CAUSAL,
-                              BLOCK_M, BLOCK_N, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 1, CAUSAL,
-                              BLOCK_M, BLOCK_N, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, L, DELTA, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                              k_row, k_col, v_row, v_col, n0, lse_base, N, first, n_tiles, qk_scale, scale, 2, CAUSAL,
-                              BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 0,
+                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 1,
+                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 2,
+                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, h * q_cols_h, do_row, h * do_cols_h, first, n_tiles,
-                             STAGES, NUM_CONSUMERS)),
+                             STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem, lse_base)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

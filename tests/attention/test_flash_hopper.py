@@ -78,6 +78,17 @@ def test_output_descriptor_needs_the_input_memory_order():
         flash_hopper._output_descriptor(other_order, q_index, 64)
 
 
+@pytest.mark.skipif(flash_hopper._gluon_problem() is not None, reason="needs triton's Gluon")
+def test_row_stats_descriptor_covers_the_flat_vector():
+    lse = randn(2 * 3, 256, device="cpu")  # (batch * heads, seq) fp32
+    desc = flash_hopper._row_stats_descriptor(lse, 64)
+    assert list(desc.shape) == [2 * 3 * 256] and list(desc.block_shape) == [64] and desc.base.data_ptr() == lse.data_ptr()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        flash_hopper._row_stats_descriptor(randn(256, 6, device="cpu").t(), 64)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        flash_hopper._row_stats_descriptor(lse.double(), 64)
+
+
 def test_forward_problem_names_the_reason(monkeypatch):
     q = randn(1, 2, 128, 64, device="cpu")
     assert flash_hopper.forward_problem(q, q, q, True) == "it needs CUDA tensors"
@@ -121,16 +132,17 @@ def test_three_consumers_only_when_every_sm_gets_four_programs():
             assert flash_hopper.SEQ_MULTIPLE % t.block_n == 0 and flash_hopper.SEQ_MULTIPLE % t.block_m == 0
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_backward_tiles(causal):
-    assert flash_hopper.backward_tiles_for(64, 16384, 16, 132, causal)["dq"].consumers == 3
-    assert flash_hopper.backward_tiles_for(64, 4096, 16, 132, causal)["dq"].consumers == 2
+def test_backward_tiles():
+    assert flash_hopper.backward_tiles_for(64, 16384, 16, 132)["dq"].consumers == 3
+    assert flash_hopper.backward_tiles_for(64, 4096, 16, 132)["dq"].consumers == 2
     for d in flash_hopper.HEAD_DIMS:
         for n, bh in ((16384, 16), (128, 1)):
-            for t in flash_hopper.backward_tiles_for(d, n, bh, 132, causal).values():
+            for kernel, t in flash_hopper.backward_tiles_for(d, n, bh, 132).items():
                 assert flash_hopper.SEQ_MULTIPLE % t.block_n == 0 and flash_hopper.SEQ_MULTIPLE % t.block_m == 0
-                # two resident and `stages` pairs of streamed bf16 tiles in one SM's 227 KB of shared memory
-                assert (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 <= 227 * 1024
+                # two resident and `stages` pairs of streamed bf16 tiles, and for dK/dV the streamed tiles' fp32 L
+                # and delta, in one SM's 227 KB of shared memory
+                stats = 2 * t.stages * t.block_n * 4 if kernel == "dkdv" else 0
+                assert (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 + stats <= 227 * 1024
 
 
 TILES = [HopperTiles(consumers=2, block_n=128, stages=3), HopperTiles(consumers=3, block_n=128, stages=3),

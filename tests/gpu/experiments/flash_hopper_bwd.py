@@ -122,7 +122,7 @@ def main(indices):
         for kernel in ("dkdv", "dq"):
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
             for t in CONFIGS[kernel][d]:
-                t = t or fh.backward_tiles_for(d, n, b * h, 132, causal)[kernel]
+                t = t or fh.backward_tiles_for(d, n, b * h, 132)[kernel]
                 if (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 > 227 * 1024:
                     continue
                 if kernel == "dkdv":
