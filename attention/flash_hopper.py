@@ -286,6 +286,12 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device_index)
 
 
+def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, query_rows: int,
+                     key_rows: int):
+    """Descriptors of q, k, v, dO (q and dO in blocks of query_rows, k and v of key_rows) and their view indices."""
+    return zip(*(_descriptor(t, rows) for t, rows in ((q, query_rows), (k, key_rows), (v, key_rows), (do, query_rows))))
+
+
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
                   t: HopperTiles) -> None:
@@ -296,15 +302,11 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
 
     b, h, n, d = q.shape
     _check_tiles(n, t)
-    q_desc, q_index = _descriptor(q, t.block_n)
-    k_desc, k_index = _descriptor(k, t.block_m)
-    v_desc, v_index = _descriptor(v, t.block_m)
-    do_desc, do_index = _descriptor(do, t.block_n)
+    descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
     attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dk, k_index, t.block_m),
-        _output_descriptor(dv, v_index, t.block_m), _row_stats_descriptor(lse, t.block_n),
-        _row_stats_descriptor(delta, t.block_n), *q_index, *k_index, *v_index, *do_index, h, n,
-        scale * math.log2(math.e), scale,
+        *descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
+        _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
+        *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
         **_meta(t, causal),
     )
 
@@ -318,12 +320,9 @@ def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
 
     b, h, n, d = q.shape
     _check_tiles(n, t)
-    q_desc, q_index = _descriptor(q, t.block_m)
-    k_desc, k_index = _descriptor(k, t.block_n)
-    v_desc, v_index = _descriptor(v, t.block_n)
-    do_desc, do_index = _descriptor(do, t.block_m)
+    descs, indices = _backward_inputs(q, k, v, do, t.block_m, t.block_n)
     attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, do_desc, _output_descriptor(dq, q_index, t.block_m), lse, delta,
-        *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale,
+        *descs, _output_descriptor(dq, indices[0], t.block_m), lse, delta,
+        *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
         **_meta(t, causal),
     )

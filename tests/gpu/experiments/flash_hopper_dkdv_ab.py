@@ -45,16 +45,13 @@ def dkdv_with(module, stats_in_smem, q, k, v, do, lse, delta, dk, dv, causal, sc
     import triton
 
     b, h, n, d = q.shape
-    q_desc, q_index = fh._descriptor(q, t.block_n)
-    k_desc, k_index = fh._descriptor(k, t.block_m)
-    v_desc, v_index = fh._descriptor(v, t.block_m)
-    do_desc, do_index = fh._descriptor(do, t.block_n)
+    descs, indices = fh._backward_inputs(q, k, v, do, t.block_n, t.block_m)
     stats = (fh._row_stats_descriptor(lse, t.block_n), fh._row_stats_descriptor(delta, t.block_n)) \
         if stats_in_smem else (lse, delta)
     module.attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, do_desc, fh._output_descriptor(dk, k_index, t.block_m),
-        fh._output_descriptor(dv, v_index, t.block_m), *stats, *q_index, *k_index, *v_index, *do_index, h, n,
-        scale * math.log2(math.e), scale, **fh._meta(t, causal),
+        *descs, fh._output_descriptor(dk, indices[1], t.block_m), fh._output_descriptor(dv, indices[2], t.block_m),
+        *stats, *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
+        **fh._meta(t, causal),
     )
 
 
@@ -65,13 +62,10 @@ def old_dq(q, k, v, do, lse, delta, dq, causal, scale, t):
     import triton
 
     b, h, n, d = q.shape
-    q_desc, q_index = fh._descriptor(q, t.block_m)
-    k_desc, k_index = fh._descriptor(k, t.block_n)
-    v_desc, v_index = fh._descriptor(v, t.block_n)
-    do_desc, do_index = fh._descriptor(do, t.block_m)
+    descs, indices = fh._backward_inputs(q, k, v, do, t.block_m, t.block_n)
     old.attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, do_desc, fh._output_descriptor(dq, q_index, t.block_m), lse, delta,
-        *q_index, *k_index, *v_index, *do_index, h, n, scale * math.log2(math.e), scale, **fh._meta(t, causal),
+        *descs, fh._output_descriptor(dq, indices[0], t.block_m), lse, delta,
+        *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale, **fh._meta(t, causal),
     )
 
 
