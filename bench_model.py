@@ -45,6 +45,7 @@ from training.compilation import COMPILE_SCOPES, compile_regions
 from training.cuda_graph import GraphedStep
 from training.distributed import DistContext, DistributedError
 from training.metrics import mfu
+from training.overlapped_optimizer import OverlappedOptimizer, step_partitions
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16 = autocast over fp32 master weights
 IMPLS = ("ours", "hf")
@@ -71,6 +72,8 @@ COLUMNS: dict[str, str] = {
     "mode": "forward (no grad), forward-backward, or train-step (forward + backward + AdamW)",
     "cuda_graph": "train-step replayed as one CUDA graph (training.cuda_graph); its phases are then not split, and "
                   "peak memory counts from the capture on (a replay allocates nothing: it runs in the graph's pool)",
+    "overlap_optimizer": "AdamW stepped parameter by parameter during the backward, on a second stream "
+                         "(training.overlapped_optimizer); the backward phase then includes most of the optimizer",
     "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
     **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
        for p in PHASES for s in ("mean", "std")},
@@ -134,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cuda-graph", nargs="?", const="on", default="off", choices=["on", "off", "both"],
                    help="replay the whole train-step (forward, backward, AdamW) as one CUDA graph: on, off (default) "
                         "or both; removes the host's time per step. Needs --mode train-step, a GPU and --warmup >= 3")
+    m.add_argument("--overlap-optimizer", nargs="?", const="on", default="off", choices=["on", "off", "both"],
+                   help="step AdamW parameter by parameter during the backward, on a second CUDA stream "
+                        "(training/overlapped_optimizer.py): on, off (default) or both; ours, --mode train-step, "
+                        "one device")
     m.add_argument("--mode", nargs="+", default=["forward-backward"],
                    help=f"{', '.join(MODES)}; comma list (default forward-backward)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -182,6 +189,7 @@ class Point:
     compile_scope: str = "blocks"  # what compile compiles: training.compilation.COMPILE_SCOPES
     impl: str = "ours"  # ours, or hf: the Hugging Face peer (whole-model compile, its own SDPA attention)
     cuda_graph: bool = False  # the train-step captured once and replayed (training.cuda_graph)
+    overlap_optimizer: bool = False  # AdamW stepped during the backward (training.overlapped_optimizer)
 
     @property
     def context_length(self) -> int:
@@ -193,6 +201,7 @@ class Point:
         return (f"{self.size} T={self.context_length} B={self.batch_size} {who} {self.dtype} "
                 f"compile={self.compile_scope if self.compile else 'off'} {self.mode}"
                 + (" cuda-graph" if self.cuda_graph else "")
+                + (" opt-overlap" if self.overlap_optimizer else "")
                 + ("" if self.cfg.fp32_weight_grads or self.impl == "hf" else " dW=autocast"))
 
     @property
@@ -238,6 +247,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         if args.warmup < GRAPH_WARMUP + 1:
             p.error(f"--cuda-graph needs --warmup >= {GRAPH_WARMUP + 1} ({GRAPH_WARMUP} eager steps, then the "
                     f"capture), got {args.warmup}")
+    if args.overlap_optimizer != "off":
+        if args.mode != ["train-step"]:
+            p.error(f"--overlap-optimizer steps the optimizer inside the backward: use --mode train-step "
+                    f"(got {','.join(args.mode)})")
+        if args.parallel != "none":
+            p.error("--overlap-optimizer is for one device (DDP and FSDP reduce gradients after its hooks); "
+                    "drop --parallel")
     if "hf" in args.impl:
         if args.parallel != "none":
             p.error("--impl hf is the one-GPU peer; drop --parallel")
@@ -325,13 +341,16 @@ def sweep_points(args: argparse.Namespace) -> list[Point]:
     """Every configuration, in the order they run: size, backend, dtype, compile, context, mode."""
     on_off = {"off": [False], "on": [True], "both": [False, True]}  # --compile and --cuda-graph
     compiles, graphs = on_off[args.compile], on_off[args.cuda_graph]
+    overlaps = on_off[args.overlap_optimizer]
     # The peer has its own attention (SDPA) and is compiled whole, as a user would: one row per other setting.
     variants = [("ours", attn) for attn in args.attn if "ours" in args.impl] + [("hf", "sdpa")] * ("hf" in args.impl)
+    # The overlapped optimizer is ours: the peer keeps its plain AdamW step.
     return [
         Point(size, replace(args.configs[size], attn=attn, context_length=t), args.batch_size, dtype, comp, mode,
-              "model" if impl == "hf" else args.compile_scope, impl, graph)
+              "model" if impl == "hf" else args.compile_scope, impl, graph, overlap)
         for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
         for t in args.context_lengths for mode in args.mode for graph in graphs
+        for overlap in (overlaps if impl == "ours" else [False])
     ]
 
 
@@ -359,7 +378,7 @@ class Runner:
     point: Point
     model: torch.nn.Module  # TransformerLM, or HFLlama for the peer
     step_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, targets) -> loss
-    optimizer: Optional[torch.optim.Optimizer]
+    optimizer: Optional[torch.optim.Optimizer | OverlappedOptimizer]
     device: torch.device
     annotate: bool = False  # add torch.profiler labels to the phases
     graphed: Optional[GraphedStep] = None  # the train-step as a CUDA graph (point.cuda_graph)
@@ -438,8 +457,11 @@ def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] 
         step_model = torch.compile(step_model, dynamic=False)
     optimizer = None
     if point.mode == "train-step":  # capturable: the step count on the GPU, so a CUDA graph can replay the step
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda",
-                                      capturable=point.cuda_graph)
+        def adamw(params) -> torch.optim.AdamW:
+            return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda", capturable=point.cuda_graph)
+
+        optimizer = (OverlappedOptimizer(step_partitions(model), adamw) if point.overlap_optimizer
+                     else adamw(model.parameters()))
     runner = Runner(point, model, step_model, optimizer, device)
     if point.cuda_graph:
         runner.graphed = GraphedStep(runner.train_step, optimizer, warmup=GRAPH_WARMUP)
@@ -464,7 +486,8 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
                d_model=cfg.d_model, n_layers=cfg.n_layers,
                n_heads=cfg.n_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
                batch_size=point.batch_size, impl=point.impl, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
-               mode=point.mode, cuda_graph=point.cuda_graph, warmup=args.warmup, steps=args.steps)
+               mode=point.mode, cuda_graph=point.cuda_graph, overlap_optimizer=point.overlap_optimizer,
+               warmup=args.warmup, steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
     return row
@@ -639,7 +662,8 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
         shown.append(d)
     columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn", "dtype": "dtype",
-               "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph", "forward": "forward ms", "backward": "backward ms",
+               "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph", "overlap_optimizer": "opt overlap",
+               "forward": "forward ms", "backward": "backward ms",
                "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
@@ -677,7 +701,8 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
 def _variant(row: dict[str, Any]) -> str:
     who = "hf-llama" if row.get("impl") == "hf" else row["attn"]
     graph = " cuda-graph" if row.get("cuda_graph") else ""
-    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}"
+    overlap = " opt-overlap" if row.get("overlap_optimizer") else ""
+    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}"
 
 
 def _variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

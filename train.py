@@ -31,6 +31,7 @@ from training.data import batch_at, check_vocab, load_corpus, split_train_val
 from training.distributed import DistContext, DistributedError
 from training.logger import METRICS_FILE, MetricsLogger, NullLogger
 from training.metrics import cuda_memory_gib, flops_per_token, mfu
+from training.overlapped_optimizer import OverlappedOptimizer, step_partitions
 from training.schedule import lr_at
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--cuda-graph", action="store_true",
                    help="capture the whole step (forward, backward, clipping, AdamW) once as a CUDA graph and replay "
                         "it: no host time per step. One CUDA device, bf16 or fp32; the first 2 steps run eagerly")
+    o.add_argument("--overlap-optimizer", action="store_true",
+                   help="step AdamW parameter by parameter during the backward, on a second CUDA stream, as each "
+                        "gradient is complete (training/overlapped_optimizer.py): the same updates, a shorter step. "
+                        "Needs --grad-clip 0 (no global norm before the steps), one process, bf16 or fp32")
     o.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward instead of storing its activations (less memory, "
                         "about one more forward of compute)")
@@ -121,6 +126,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"{' (the ranks then talk over gloo)' if args.parallel != 'none' else ''}")
     if args.dist_timeout <= 0:
         p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    if args.overlap_optimizer:
+        if args.grad_clip > 0:
+            p.error("--overlap-optimizer steps each parameter as soon as its gradient exists, before the global "
+                    "norm is known: add --grad-clip 0")
+        if args.parallel != "none":
+            p.error("--overlap-optimizer is for one process (DDP and FSDP reduce gradients after its hooks); "
+                    "drop --parallel")
+        if args.dtype == "fp16":
+            p.error("--overlap-optimizer supports --dtype bf16 or fp32 (fp16's loss scale is checked for inf "
+                    "after the whole backward)")
     if args.cuda_graph:
         if not args.device.startswith("cuda"):
             p.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
@@ -139,16 +154,22 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
         raise TrainingError(str(e)) from None
 
 
-def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.AdamW:
-    # Decay matrices only: norm gains are scales, decaying them towards 0 fights the normalisation.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace,
+                   device: torch.device) -> torch.optim.AdamW | OverlappedOptimizer:
     # A CUDA graph replays the step as captured: the step count must live on the GPU (capturable) and the learning
     # rate be a tensor that set_lr updates in place.
     lr = torch.tensor(args.lr, device=device) if args.cuda_graph else args.lr
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
-                             capturable=args.cuda_graph)
+
+    def adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+        # Decay matrices only: norm gains are scales, decaying them towards 0 fights the normalisation.
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                                 fused=device.type == "cuda", capturable=args.cuda_graph)
+
+    if args.overlap_optimizer:
+        return OverlappedOptimizer(step_partitions(model), adamw, track_grad_norm=True)
+    return adamw(list(model.parameters()))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -305,8 +326,13 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clipping and AdamW; (loss, grad norm). The scaler is a no-op unless fp16, which
-        --cuda-graph refuses: its inf checks read values on the host, which a captured step cannot."""
+        --cuda-graph refuses: its inf checks read values on the host, which a captured step cannot. With
+        --overlap-optimizer, AdamW runs inside the backward and there is no clipping."""
         loss = lm_loss(step_model, x, y, autocast)
+        if isinstance(optimizer, OverlappedOptimizer):  # it stepped during the backward; step() waits for it
+            loss.backward()
+            optimizer.step()
+            return loss.detach(), optimizer.grad_norm()
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

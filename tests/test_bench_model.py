@@ -175,6 +175,17 @@ def test_weight_grads_flag_reaches_every_config_and_the_label():
     assert not any(p.cfg.fp32_weight_grads for p in plain) and plain[0].label.endswith(" dW=autocast")
 
 
+def test_overlap_optimizer_both_gives_ours_a_row_each_way_and_the_peer_one(tmp_path):
+    args = bench_model.parse_args([*TINY, "--context-lengths", "16", "--mode", "train-step", "--impl", "ours,hf",
+                                   "--overlap-optimizer", "both"])
+    assert [(p.impl, p.overlap_optimizer) for p in bench_model.sweep_points(args)] == [
+        ("ours", False), ("ours", True), ("hf", False)]
+    rows = bench_model.main([*TINY, "--context-lengths", "16", "--mode", "train-step", "--overlap-optimizer",
+                             "--out", str(tmp_path)])
+    assert [r["overlap_optimizer"] for r in rows] == [True] and rows[0]["status"] == "ok"
+    assert "opt-overlap" in (tmp_path / "results.md").read_text()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_both_gives_a_graphed_row_beside_the_plain_one(tmp_path):
     rows = bench_model.main([*TINY, "--context-lengths", "32", "--attn", "sdpa", "--mode", "train-step",
@@ -198,6 +209,7 @@ def test_cuda_graph_both_gives_a_graphed_row_beside_the_plain_one(tmp_path):
     (["--cuda-graph", "--mode", "forward"], "--cuda-graph captures the whole train step: use --mode train-step"),
     (["--cuda-graph", "--mode", "train-step", "--warmup", "2"], "--cuda-graph needs --warmup >= 3"),
     (["--cuda-graph", "--mode", "train-step", "--warmup", "3"], "--cuda-graph needs a CUDA device, got --device cpu"),
+    (["--overlap-optimizer", "--mode", "forward"], "--overlap-optimizer steps the optimizer inside the backward"),
 ])
 def test_bad_arguments_exit_with_a_message(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

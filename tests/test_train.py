@@ -107,6 +107,8 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
         (["--steps", "0"], 2, "--steps must be >= 1"),
         (["--dtype", "fp16"], 2, "fp16 needs a CUDA device"),
         (["--cuda-graph"], 2, "--cuda-graph needs a CUDA device, got --device cpu"),
+        (["--overlap-optimizer"], 2, "before the global norm is known: add --grad-clip 0"),
+        (["--overlap-optimizer", "--grad-clip", "0", "--parallel", "ddp"], 2, "--overlap-optimizer is for one process"),
     ],
 )
 def test_bad_input_stops_with_a_message(tmp_path, text_file, capsys, argv, code, message):
@@ -202,3 +204,32 @@ def test_cuda_graph_trains_like_the_plain_step_and_resumes(tmp_path, text_file):
     code, _, _ = run(tmp_path, text_file, *gpu[:2], "--steps", "14", "--log-every", "1", "--eval-every", "0",
                      "--cuda-graph", "--resume", name="graphed")
     assert code == 0
+
+
+def test_overlapped_optimizer_trains_like_the_plain_step_and_refuses_the_other_checkpoint(tmp_path, text_file, capsys):
+    """--overlap-optimizer: the same losses and gradient norms as the plain AdamW without clipping, its own
+    checkpoints resume, and a plain run's checkpoint is refused with a message."""
+    args = ("--steps", "6", "--log-every", "1", "--eval-every", "0", "--grad-clip", "0")
+    code, plain, plain_out = run(tmp_path, text_file, *args, name="plain")
+    assert code == 0
+    code, rows, out = run(tmp_path, text_file, *args, "--overlap-optimizer", name="overlap")
+    assert code == 0
+    for key in ("loss", "grad_norm", "lr"):
+        torch.testing.assert_close([r[key] for r in rows], [r[key] for r in plain], rtol=1e-6, atol=0)
+    resume = [*TINY, "--data", str(text_file), "--wandb", "disabled", "--resume", "--steps", "7", "--grad-clip", "0",
+              "--overlap-optimizer"]
+    assert train.main([*resume, "--out", str(out)]) == 0
+    assert train.main([*resume, "--out", str(plain_out)]) == 1
+    assert "drop or add --overlap-optimizer" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a GPU")
+def test_overlapped_optimizer_on_the_gpu_graphed_trains_like_the_plain_step(tmp_path, text_file):
+    gpu = ("--device", "cuda", "--steps", "8", "--log-every", "1", "--eval-every", "0", "--grad-clip", "0",
+           "--dtype", "bf16", "--no-checkpoint")
+    code, plain, _ = run(tmp_path, text_file, *gpu, name="plain")
+    assert code == 0
+    code, rows, _ = run(tmp_path, text_file, *gpu, "--overlap-optimizer", "--cuda-graph", name="overlap")
+    assert code == 0
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in rows], [r[key] for r in plain], rtol=1e-4, atol=1e-5)
