@@ -5,10 +5,13 @@
     python bench_attention.py --preset leaderboard           # flash vs SDPA kernels vs flex at seq 16384, d 64
     python bench_attention.py --backends naive,flash --seq-lens 1024,4096 --d-heads 64 --dtype bf16 --causal both
     python bench_attention.py --seq-lens 16384 --d-heads 64 --explain-memory
+    python bench_attention.py --preset leaderboard --seq-lens 4096,16384 --graph-timing   # + GPU time without launches
 
 For each point (batch, heads, seq, d_head, dtype, causal) and backend: forward, backward and forward+backward
 times, TFLOP/s, memory kept for backward, forward/backward peak memory, the time ratio to a baseline backend,
 and the error of the output and gradients against a float64 reference. Out of memory is a row, not a crash.
+--graph-timing adds the forward and forward+backward times of each call replayed from a CUDA graph: the GPU time
+alone, which is what a graphed training step pays. Short problems are bound by host time without it.
 Writes results.md, results.csv, results.json and PNG plots to --out (default runs/bench_attention/<time>).
 How each figure is measured: benchmarking/attention_measure.py.
 """
@@ -64,7 +67,7 @@ DEFAULTS: dict[str, Any] = {"batch": 1, "heads": 8, "seq_lens": [256, 1024, 4096
 COLUMNS = [
     "backend", "batch", "heads", "seq", "d_head", "dtype", "causal", "status", "note",
     "fwd_ms", "bwd_ms", "fwdbwd_ms", "bwd_method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
-    "fwd_ratio", "bwd_ratio", "fwdbwd_ratio",
+    "fwd_ratio", "bwd_ratio", "fwdbwd_ratio", "fwd_graph_ms", "fwdbwd_graph_ms", "fwdbwd_graph_ratio",
     "inputs_mib", "saved_mib", "saved_tensors_mib", "fwd_peak_mib", "bwd_peak_mib",
     "err_out", "err_dq", "err_dk", "err_dv", "rel_err", "check", "device",
 ]
@@ -145,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain-memory", action="store_true",
                    help="for one point (the largest seq and d_head given, first dtype and mask), print the expected "
                         "bytes of every tensor kept for backward next to the measured figures, and stop")
+    p.add_argument("--graph-timing", action="store_true",
+                   help="also time forward and forward+backward replayed from a CUDA graph (GPU time without the "
+                        "host time of launching; CUDA only)")
     p.add_argument("--list-backends", action="store_true", help="print the registered backends and exit")
     return p
 
@@ -168,6 +174,7 @@ class Config:
     wandb: Optional[str]
     wandb_project: str
     preset: Optional[str]
+    graph_timing: bool = False
     command: str = ""
 
     def points(self) -> list[AttentionPoint]:
@@ -190,6 +197,8 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is available here (use --device cpu)")
+    if args.graph_timing and device != "cuda":
+        parser.error(f"--graph-timing replays CUDA graphs: it needs --device cuda, got {device}")
     registered = backend_names()
     if merged["backends"] is None:
         merged["backends"] = [b.name for b in list_attention() if b.available]
@@ -207,7 +216,7 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         heads=merged["heads"], seq_lens=list(merged["seq_lens"]), d_heads=list(merged["d_heads"]),
         dtypes=list(merged["dtypes"]), causal=causal, iters=merged["iters"], warmup=merged["warmup"],
         seed=merged["seed"], device=device, out=out, plots=not args.no_plots, wandb=args.wandb,
-        wandb_project=args.wandb_project, preset=args.preset,
+        wandb_project=args.wandb_project, preset=args.preset, graph_timing=args.graph_timing,
     )
 
 
@@ -235,9 +244,10 @@ def _add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
     """time / baseline's time at the same point, for each pass; blank when the baseline has no time."""
     base = next((r for r in rows if r["backend"] == baseline), None)
     for row in rows:
-        for pass_name in ("fwd", "bwd", "fwdbwd"):
-            mine = row.get(f"{pass_name}_ms")
-            theirs = base.get(f"{pass_name}_ms") if base else None
+        for pass_name, time_key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwdbwd", "fwdbwd_ms"),
+                                    ("fwdbwd_graph", "fwdbwd_graph_ms")):
+            mine = row.get(time_key)
+            theirs = base.get(time_key) if base else None
             row[f"{pass_name}_ratio"] = mine / theirs if mine is not None and theirs else None
 
 
@@ -266,7 +276,8 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
         try:
             outcome = call_catching_oom(
                 lambda: measure_backend(backend, point, inputs, ref, cfg.device, iters=cfg.iters,
-                                        warmup=cfg.warmup, time_passes=time_passes),
+                                        warmup=cfg.warmup, time_passes=time_passes,
+                                        graph_timing=cfg.graph_timing),
                 label=label)
         except Exception as exc:  # noqa: BLE001 -- a broken backend is a result row; the sweep goes on
             row.update(status="error", note=f"{type(exc).__name__}: {short_message(exc)}")
@@ -345,6 +356,14 @@ def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
             subset = [r for r in group if r["d_head"] == d]
             blocks.append(f"### {dtype}, {'causal' if causal else 'no mask'}, d_head {d}")
             blocks.append(report.pivot_markdown(subset, "seq", "backend", "fwdbwd_ms", column_label="backend"))
+    if cfg.graph_timing:
+        blocks.append("## Forward + backward time (ms) replayed from a CUDA graph: GPU time, no launch cost")
+        for dtype, causal, group in _groups(rows):
+            for d in report.unique_in_order(group, "d_head"):
+                subset = [r for r in group if r["d_head"] == d]
+                blocks.append(f"### {dtype}, {'causal' if causal else 'no mask'}, d_head {d}")
+                blocks.append(report.pivot_markdown(subset, "seq", "backend", "fwdbwd_graph_ms",
+                                                    column_label="backend"))
     blocks.append("## Per backend: seq x d_head")
     for dtype, causal, group in _groups(rows):
         for backend in report.unique_in_order(group, "backend"):

@@ -3,8 +3,8 @@
 flash_triton.flash_forward asks `forward_problem` first and runs the Gluon forward when the answer is None;
 flash_triton.flash_backward asks `backward_problem` and runs the Gluon dK/dV and dQ kernels. Every other input keeps
 the Triton kernels: other GPUs, fp32, other head dims, sequences that are not whole tiles, problems small enough to
-be bound by host time, the CPU interpreter, forced Triton tiles. FLASH_HOPPER_FORWARD=0 and FLASH_HOPPER_BACKWARD=0
-turn either off.
+be bound by host time (unless the launches are replayed from a CUDA graph), the CPU interpreter, forced Triton
+tiles. FLASH_HOPPER_FORWARD=0 and FLASH_HOPPER_BACKWARD=0 turn either off.
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
 # the Gluon launch's host time decides: 114-147 us per call against 72-95 us for the Triton kernel's, measured in
 # the same runs on the H100 (results/README.md, seventh session).
 MIN_SCORES = 2**28
+# Launches replayed from a CUDA graph (attention.graph_replay, or a capture in progress) cost no host time per call,
+# so the GPU time alone decides. Graphed on the H100 (tests/gpu/experiments/short_problems_gpu_time.py,
+# results/README.md, eleventh session): the Hopper backward took 11-23% less time than the Triton one at every size
+# tried (B4 H20 N1024 up to B1 H16 N4096); the Hopper forward was faster from 2^27 scores at d 64 (B1 H16 N4096:
+# 0.117 against 0.123 ms; at B2 H16 N2048, 2^26, 0.072 against 0.070) and at every size tried at d 128.
+REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
 # The backward runs its dQ kernel on a second stream, beside dK/dV: 6-12% faster than one after the other on the
 # H100 (results/README.md, eighth session). False runs them in turn on the current stream, for A/B timings.
 OVERLAP_BACKWARD = True
@@ -114,7 +120,15 @@ def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
     return torch.as_strided(t, (rows, cols), (cols, 1)), rows_b, rows_h, cols_h
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
+def min_scores(d: int, pass_name: str, replayed: bool) -> int:
+    """The fewest scores for which the Hopper kernels of `pass_name` ("forward" or "backward") run (see MIN_SCORES)."""
+    if not replayed:
+        return MIN_SCORES
+    return REPLAYED_FORWARD_MIN_SCORES.get(d, 0) if pass_name == "forward" else 0
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pass_name: str,
+             replayed: bool) -> Optional[str]:
     """Why the Hopper kernels cannot take these (batch, heads, seq, d) inputs, or None; the switches aside."""
     if not q.is_cuda:
         return "it needs CUDA tensors"
@@ -130,8 +144,10 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
     if n % SEQ_MULTIPLE:
         return f"it needs the sequence length to be a multiple of {SEQ_MULTIPLE}, got {n}"
     scores = q.shape[0] * q.shape[1] * n * n // (2 if causal else 1)
-    if scores < MIN_SCORES:
-        return f"{scores} scores are too few: below {MIN_SCORES} host time outweighs the faster kernel"
+    fewest = min_scores(d, pass_name, replayed)
+    if scores < fewest:
+        why = "the Triton forward takes less GPU time" if replayed else "host time outweighs the faster kernel"
+        return f"{scores} scores are too few: below {fewest} {why}"
     if q.shape[0] * q.shape[1] > MAX_PROGRAM_ROWS:
         return f"it runs at most {MAX_PROGRAM_ROWS} (batch, head) pairs, got {q.shape[0] * q.shape[1]}"
     if q.shape[0] * q.shape[1] * n >= 2**31:
@@ -146,21 +162,26 @@ def _layout_problem(**tensors: torch.Tensor) -> Optional[str]:
     return None
 
 
-def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
-    """Why the Hopper forward cannot run these (batch, heads, seq, d) inputs, or None when it can."""
+def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    replayed: bool = False) -> Optional[str]:
+    """Why the Hopper forward cannot run these (batch, heads, seq, d) inputs, or None when it can.
+
+    replayed: the launch will be replayed from a CUDA graph (attention.registry.launches_replayed), so host time
+    does not count.
+    """
     if not _enabled("FLASH_HOPPER_FORWARD"):
         return "turned off by FLASH_HOPPER_FORWARD=0"
-    return _problem(q, k, v, causal)
+    return _problem(q, k, v, causal, "forward", replayed)
 
 
 def backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                     causal: bool) -> Optional[str]:
+                     causal: bool, replayed: bool = False) -> Optional[str]:
     """Why the Hopper dK/dV and dQ kernels cannot run these (batch, heads, seq, d) inputs, or None when they can."""
     if not _enabled("FLASH_HOPPER_BACKWARD"):
         return "turned off by FLASH_HOPPER_BACKWARD=0"
     if do.dtype != q.dtype:
         return f"dO is {do.dtype} and q {q.dtype}"
-    return _problem(q, k, v, causal) or _layout_problem(dO=do)
+    return _problem(q, k, v, causal, "backward", replayed) or _layout_problem(dO=do)
 
 
 @functools.cache

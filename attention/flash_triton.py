@@ -41,7 +41,8 @@ disk when the installed triton supports it. FLASH_ATTN_AUTOTUNE=0 uses one fixed
 INTERPRET_TILES config runs. The kernels themselves are in flash_triton_kernels.py.
 
 Hopper kernels. On an sm_90 GPU, bf16/fp16 inputs with head dim 64 or 128, as many keys as queries, a sequence
-that is a multiple of 128 and at least flash_hopper.MIN_SCORES scores run the forward and the backward in
+that is a multiple of 128 and at least flash_hopper.min_scores(...) scores (fewer when the launches are replayed
+from a CUDA graph: attention.graph_replay, or a capture in progress) run the forward and the backward in
 flash_hopper_kernels.py: Gluon kernels with a TMA producer warp and two or three consumer warpgroups, each
 overlapping the elementwise work of one tile with the matmuls of the tile before (FlashAttention-3's schedule,
 which Triton's compiler does not produce from the kernels above). They read and write the same O, L and gradients,
@@ -66,7 +67,8 @@ from typing import Optional
 import torch
 
 from attention import flash_hopper
-from attention.registry import UnsupportedInputError, register, validate_qkv
+from attention.registry import (UnsupportedInputError, graph_replay_requested, launches_replayed, register,
+                                validate_qkv)
 
 try:
     import triton
@@ -397,11 +399,15 @@ def _meta(q: torch.Tensor, causal: bool) -> dict:
 
 def flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, tiles: Optional[Tiles] = None,
-    traceable: bool = False,
+    traceable: bool = False, replayed: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) for validated inputs; o like q, lse fp32 of shape q.shape[:-1]. `tiles` forces a Triton config."""
+    """(o, lse) for validated inputs; o like q, lse fp32 of shape q.shape[:-1]. `tiles` forces a Triton config.
+
+    replayed: whether the launches will be replayed from a CUDA graph; None asks registry.launches_replayed().
+    """
     q4, k4, v4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
-    if tiles is None and flash_hopper.forward_problem(q4, k4, v4, causal) is None:
+    replayed = launches_replayed() if replayed is None else replayed
+    if tiles is None and flash_hopper.forward_problem(q4, k4, v4, causal, replayed) is None:
         o4, lse4 = (hopper_forward_op if traceable else _hopper_forward)(q4, k4, v4, causal, scale)
         return o4.reshape(q.shape), lse4.reshape(q.shape[:-1])
     b, h, n_q, d = q4.shape
@@ -429,11 +435,14 @@ def _hopper_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal
 def flash_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
     causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False,
+    replayed: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) by recomputation from lse. `tiles` ({"dkdv": ..., "dq": ...}) forces Triton configs."""
+    """(dq, dk, dv) by recomputation from lse. `tiles` ({"dkdv": ..., "dq": ...}) forces Triton configs;
+    `replayed` as in flash_forward."""
     q4, k4, v4, o4, do4 = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), _as_bhsd(o), _as_bhsd(do)
     lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
-    if not tiles and flash_hopper.backward_problem(q4, k4, v4, do4, causal) is None:
+    replayed = launches_replayed() if replayed is None else replayed
+    if not tiles and flash_hopper.backward_problem(q4, k4, v4, do4, causal, replayed) is None:
         grads = (hopper_backward_op if traceable else _hopper_backward)(q4, k4, v4, o4, lse, do4, causal, scale)
         return tuple(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v)))
     tiles = tiles or {}
@@ -501,7 +510,8 @@ class FlashAttentionTriton(torch.autograd.Function):
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     if torch.compiler.is_compiling():  # the check runs while tracing, not on every call of the compiled code
         op = flash_opaque_op if _interpreting() else flash_op
-        return op(q, k, v, causal, _check(q, k, v, causal, scale))[0]
+        # Read while tracing, so the compiled code guards on it; a capture in progress cannot be asked here.
+        return op(q, k, v, causal, _check(q, k, v, causal, scale), graph_replay_requested())[0]
     # Eager: the autograd.Function (it checks the inputs itself), whose host time per forward+backward measured
     # 0.78 ms against the custom op's 1.18 ms on the H100 at B4 H20 N1024 (results/README.md); short sequences
     # are bound by host time.
@@ -518,17 +528,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 # them back unwrapped), so it gets one opaque op with known output shapes (the fake functions below).
 # All paths save the same tensors and run the same kernels.
 @torch.library.triton_op("flash_lm::flash_attn_fwd", mutates_args=())
-def flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of validated inputs: o like q (its memory order up to 4 dims), lse fp32 shaped q.shape[:-1]."""
-    return flash_forward(q, k, v, causal, scale, traceable=True)
+def flash_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+             replayed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of validated inputs: o like q (its memory order up to 4 dims), lse fp32 shaped q.shape[:-1].
+    replayed: the caller replays the launches from a CUDA graph (flash_forward)."""
+    return flash_forward(q, k, v, causal, scale, traceable=True, replayed=replayed)
 
 
 @torch.library.triton_op("flash_lm::flash_attn_bwd", mutates_args=())
 def flash_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                      do: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      do: torch.Tensor, causal: bool, scale: float,
+                      replayed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), each shaped like its input (and in its memory order up to 4 dims)."""
-    return flash_backward(q, k, v, o, lse, do, causal, scale, traceable=True)
+    return flash_backward(q, k, v, o, lse, do, causal, scale, traceable=True, replayed=replayed)
 
 
 # The Hopper forward is a Gluon kernel, launched by its own host code rather than through
@@ -559,41 +571,41 @@ def _(q4, k4, v4, o4, lse, do4, causal, scale):
 
 
 @torch.library.custom_op("flash_lm::flash_attn_fwd_opaque", mutates_args=())
-def flash_opaque_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_opaque_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    replayed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_op as one opaque operator: what a compiled model runs in the CPU interpreter."""
-    return flash_forward(q, k, v, causal, scale)
+    return flash_forward(q, k, v, causal, scale, replayed=replayed)
 
 
 @flash_opaque_op.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, replayed):
     return _alloc_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_lm::flash_attn_bwd_opaque", mutates_args=())
 def flash_backward_opaque_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                             do: torch.Tensor, causal: bool,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(q, k, v, o, lse, do, causal, scale)
+                             do: torch.Tensor, causal: bool, scale: float,
+                             replayed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_backward(q, k, v, o, lse, do, causal, scale, replayed=replayed)
 
 
 @flash_backward_opaque_op.register_fake
-def _(q, k, v, o, lse, do, causal, scale):
+def _(q, k, v, o, lse, do, causal, scale, replayed):
     return _alloc_like(q), _alloc_like(k), _alloc_like(v)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, replayed = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)  # as FlashAttentionTriton: O(seq) memory, lse the only (..., seq)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.replayed = causal, scale, replayed
 
 
 def _backward_with(backward_op):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.replayed)
+        return dq, dk, dv, None, None, None
 
     return backward
 

@@ -7,9 +7,10 @@ with `get_attention`, so the model never knows which kernel runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -136,6 +137,39 @@ def get_attention(name: str) -> AttentionFn:
     attention.__name__ = f"attention_{name}"
     attention.__doc__ = backend.description
     return attention
+
+
+# How many graph_replay() blocks are open. Process-wide, not per thread: autograd runs the backward on a thread of
+# its own, and it must see what the forward saw.
+_graph_replay_depth = 0
+
+
+@contextlib.contextmanager
+def graph_replay() -> Iterator[None]:
+    """Inside: attention calls are captured in a CUDA graph and replayed, so their host time is paid once.
+
+    A backend may then pick the kernels with the least GPU time even where their launches cost more host time
+    (flash's Hopper kernels on short sequences). Wrap the eager warm-up calls as well as the capture: code that
+    torch.compile traces there keeps the choice, and the kernels the capture launches get compiled before it.
+    """
+    global _graph_replay_depth
+    _graph_replay_depth += 1
+    try:
+        yield
+    finally:
+        _graph_replay_depth -= 1
+
+
+def graph_replay_requested() -> bool:
+    """Whether a graph_replay() block is open. Compiled code that reads this guards on it (it recompiles when the
+    answer changes), so it is what a backend reads while torch.compile traces it."""
+    return _graph_replay_depth > 0
+
+
+def launches_replayed() -> bool:
+    """Whether attention calls made now will be replayed from a CUDA graph: inside graph_replay(), or while the
+    current CUDA stream is being captured."""
+    return graph_replay_requested() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def why_not(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:

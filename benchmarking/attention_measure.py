@@ -10,6 +10,10 @@ Order per backend, on the shared inputs of the point:
    - bwd: backward alone, timed by replaying one forward's graph with retain_graph=True (grads reset before
      each call). Backends whose backward cannot be replayed (torch.compile frees its saved buffers after
      one backward: "donated buffers") get bwd = fwdbwd - fwd instead; `bwd_method` says which.
+4. with `graph_timing` (CUDA): fwd_graph and fwdbwd_graph, the same calls each captured once in a CUDA graph
+   (inside attention.graph_replay(), so backends pick the kernels they would under a graphed training step) and
+   the replay timed as above: GPU time without the host time of the launches. A backend that cannot be captured
+   gets no figure and a note.
 A backend whose backward cannot run on this input but whose forward can (FlexAttention on CPU) is
 measured forward-only (no grad), and the row's note says why.
 """
@@ -21,13 +25,13 @@ from typing import Callable, Optional
 
 import torch
 
-from attention import get_attention, why_not
+from attention import get_attention, graph_replay, why_not
 from benchmarking.attention_memory import SavedTensor, SavedTensorRecorder
 from benchmarking.attention_point import AttentionInputs, AttentionPoint
 from benchmarking.attention_reference import Reference, errors
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
-from benchmarking.timing import (allocated_bytes, peak_allocated_bytes, reset_peak_memory, tflops, time_ms,
-                                 to_mib)
+from benchmarking.timing import (allocated_bytes, captured, peak_allocated_bytes, reset_peak_memory, tflops,
+                                 time_ms, to_mib)
 
 BWD_RETAIN_GRAPH = "retain_graph"
 BWD_DIFFERENCE = "fwdbwd-fwd"
@@ -120,8 +124,33 @@ def _times(attend: Callable, inputs: AttentionInputs, point: AttentionPoint, dev
     return row
 
 
+def _graph_times(attend: Callable, inputs: AttentionInputs, device: torch.device, iters: int,
+                 warmup: int) -> tuple[dict[str, object], Optional[str]]:
+    """fwd_graph_ms and fwdbwd_graph_ms (each pass captured once in a CUDA graph, its replay timed), and a note
+    when a pass could not be captured."""
+    q, k, v, leaves = inputs.q, inputs.k, inputs.v, inputs.leaves()
+    row: dict[str, object] = {}
+    note = None
+    passes = {"fwd_graph_ms": lambda: attend(q, k, v),
+              "fwdbwd_graph_ms": lambda: attend(q, k, v).backward(inputs.grad_out)}
+    for key, run in passes.items():
+        try:
+            with graph_replay():
+                replay = captured(run, device, grad_to_none=leaves)
+        except RuntimeError as exc:  # e.g. a backend that synchronises with the host
+            row[key] = None
+            note = f"no CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            torch.cuda.synchronize(device)
+            continue
+        row[key] = time_ms(replay, device, iters=iters, warmup=warmup).median_ms
+        del replay  # the graph and its memory pool
+        _clear_grads(inputs)
+    return row, note
+
+
 def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, ref: Optional[Reference],
-                    device: torch.device | str, *, iters: int, warmup: int, time_passes: bool = True) -> Measurement:
+                    device: torch.device | str, *, iters: int, warmup: int, time_passes: bool = True,
+                    graph_timing: bool = False) -> Measurement:
     """Figures for backend `name` at `point` (status 'ok'), or status 'unsupported' with the reason.
 
     Raises what the backend raises (the caller turns OOM into a row); `ref` None skips the error columns.
@@ -157,4 +186,10 @@ def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, r
         row.update(timed.value)
         for pass_name in ("fwd", "bwd", "fwdbwd"):
             row[f"{pass_name}_tflops"] = tflops(point.flop(pass_name), row.get(f"{pass_name}_ms"))
+        if graph_timing and train:
+            graphed = call_catching_oom(lambda: _graph_times(attend, inputs, device, iters, warmup))
+            _clear_grads(inputs)
+            times, note = ({}, f"while timing CUDA graphs: {graphed.message}") if graphed.oom else graphed.value
+            row.update(times)
+            row["note"] = "; ".join(filter(None, [row["note"], note])) or None
     return Measurement(row, measured.saved)

@@ -7,6 +7,8 @@ Two timers, for two questions:
 - `time_stats_ms(fn, device, ...)`: mean, std, median, min of `iters` synchronised calls, for training
   steps (bench_model), where each call is long and the spread matters.
 Both run `warmup` untimed calls first (compilation, autotuning, allocator warm-up).
+`captured(fn, device)` records one call of fn as a CUDA graph and returns its replay: timed with `time_ms`, that is
+the GPU time of fn's kernels without the host time of launching them.
 """
 
 from __future__ import annotations
@@ -162,6 +164,30 @@ def time_stats_ms(fn: Callable[[], object], device: torch.device | str, *, iters
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return summarize(times)
+
+
+def captured(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 3,
+             grad_to_none: Optional[Sequence[torch.Tensor]] = None) -> Callable[[], None]:
+    """One call of `fn` recorded as a CUDA graph; returns the graph's replay (which runs the same kernels on the
+    same memory). `warmup` eager calls on a side stream come first, so nothing compiles or autotunes during the
+    capture. `grad_to_none` are unset before each call and before the capture, so the captured backward writes
+    fresh gradients (in the graph's memory pool) rather than accumulating."""
+    device = torch.device(device)
+    if not is_cuda(device):
+        raise ValueError(f"a CUDA graph needs a CUDA device, got {device}")
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                _reset_grads(grad_to_none)
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        _reset_grads(grad_to_none)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    return graph.replay
 
 
 # --- memory -------------------------------------------------------------------------------------------

@@ -173,6 +173,7 @@ def test_presets_and_overrides():
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["--causal", "maybe"], "argument --causal: invalid choice: 'maybe'"),
     (["--wandb", "cloud"], "argument --wandb: invalid choice: 'cloud'"),
+    (["--graph-timing", "--device", "cpu"], "--graph-timing replays CUDA graphs: it needs --device cuda, got cpu"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -194,3 +195,16 @@ def test_list_backends(capsys):
     for b in list_attention():
         assert b.name in text
     assert os.environ.get(INJECT_OOM_ENV) is None  # the sweep fixture's hook does not leak
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_timing_adds_replayed_times(tmp_path):
+    result = bench_attention.main(["--backends", "flash,sdpa", "--baseline", "sdpa", "--seq-lens", "256",
+                                   "--d-heads", "64", "--heads", "4", "--batch", "2", "--iters", "10",
+                                   "--warmup", "2", "--no-plots", "--graph-timing", "--out", str(tmp_path)])
+    for row in result.rows:
+        assert row["status"] == "ok" and row["check"] == "ok", row
+        assert 0 < row["fwd_graph_ms"] < row["fwdbwd_graph_ms"]
+        assert row["fwdbwd_graph_ratio"] == pytest.approx(
+            row["fwdbwd_graph_ms"] / result.rows[1]["fwdbwd_graph_ms"])
+    assert "replayed from a CUDA graph" in (tmp_path / "results.md").read_text()

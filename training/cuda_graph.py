@@ -8,6 +8,9 @@ whole-network capture (https://pytorch.org/docs/stable/notes/cuda.html#cuda-grap
   one-time work that must not be captured (torch.compile, Triton autotuning, cuBLAS workspaces, optimizer state).
 - The next call captures the step with the gradients unset, so the captured backward writes fresh gradients; each
   later call copies its batch into the static inputs and replays.
+- Warm-up and capture run inside `attention.graph_replay()`: attention backends may pick the kernels with the least
+  GPU time even where their launches cost more host time, which is paid once here (flash's Hopper kernels on short
+  sequences), and compiled code traced in the warm-up keeps that choice.
 Requirements, checked where they can be: a CUDA device; fixed input shapes and dtypes; an optimizer built with
 `capturable=True` (its step count lives on the GPU) and, if the learning rate changes, a tensor learning rate
 updated in place (`group["lr"].fill_(lr)`); nothing in the step that synchronises with the host.
@@ -18,6 +21,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from attention import graph_replay
 
 
 class GraphedStep:
@@ -58,9 +63,10 @@ class GraphedStep:
                 static.copy_(t)
             self.graph.replay()
             return self.static_outputs
-        if self.calls <= self.warmup:
-            return self._eager(inputs)
-        return self._capture(inputs)
+        with graph_replay():
+            if self.calls <= self.warmup:
+                return self._eager(inputs)
+            return self._capture(inputs)
 
     def _eager(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         # On a side stream, as the capture will be: lazy per-stream state is then initialised before capture.

@@ -122,6 +122,21 @@ def test_forward_problem_on_the_gpu(monkeypatch, q_shape, k_len, dtype, message)
     monkeypatch.setattr(flash_hopper, "MIN_SCORES", 2**16 + 1)  # 2 * 256^2 / 2 = 2^16 causal scores
     assert "too few" in flash_hopper.forward_problem(ok, ok, ok, True)
     assert flash_hopper.forward_problem(ok, ok, ok, False) is None
+    # Replayed from a CUDA graph, host time does not count: the backward takes any size, the d-64 forward from
+    # REPLAYED_FORWARD_MIN_SCORES.
+    assert flash_hopper.backward_problem(ok, ok, ok, ok, True, replayed=True) is None
+    assert "less GPU time" in flash_hopper.forward_problem(ok, ok, ok, True, replayed=True)
+
+
+def test_min_scores_depend_on_pass_head_dim_and_replay(monkeypatch):
+    monkeypatch.setattr(flash_hopper, "MIN_SCORES", 2**28)
+    monkeypatch.setattr(flash_hopper, "REPLAYED_FORWARD_MIN_SCORES", {64: 2**27, 128: 0})
+    for d in (64, 128):
+        for pass_name in ("forward", "backward"):
+            assert flash_hopper.min_scores(d, pass_name, replayed=False) == 2**28
+        assert flash_hopper.min_scores(d, "backward", replayed=True) == 0
+    assert flash_hopper.min_scores(64, "forward", replayed=True) == 2**27
+    assert flash_hopper.min_scores(128, "forward", replayed=True) == 0
 
 
 def test_three_consumers_only_when_every_sm_gets_four_programs():
@@ -303,6 +318,53 @@ def test_backward_replays_in_a_cuda_graph(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+
+
+@requires_hopper
+def test_short_problems_take_the_hopper_kernels_only_when_replayed(monkeypatch):
+    """Below MIN_SCORES eager calls keep the Triton kernels; a captured call takes the Hopper backward (any size) and
+    the Hopper forward at d 128, and its replay gives what the eager call gave."""
+    from attention import get_attention, graph_replay
+
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(flash_hopper, name)
+        monkeypatch.setattr(flash_hopper, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name)
+                            or _real(*a, **kw))
+    flash = get_attention("flash")
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 256, 128, torch.bfloat16, "bshd", seed=21))
+    do = randn(2, 4, 256, 128, seed=22, dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        out = flash(q, k, v, causal=True)
+        out.backward(do)
+        return out
+
+    # Detached: a live eager graph would keep AccumulateGrad nodes made on the default stream, which a capture
+    # cannot wait on.
+    eager = [fwd_bwd().detach(), q.grad, k.grad, v.grad]
+    assert calls == []  # 2 * 4 * 256^2 / 2 scores: far below MIN_SCORES
+    with graph_replay():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: the Hopper kernels compile here, not during the capture
+            fwd_bwd()
+        torch.cuda.current_stream().wait_stream(side)
+        calls.clear()
+        q.grad = k.grad = v.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flash(q, k, v, causal=True)
+            out.backward(do)
+    assert calls == ["forward", "backward"]
+    replayed = [out.detach(), q.grad, k.grad, v.grad]  # detach: the same memory, without the autograd view rules
+    for t in replayed:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(replayed, eager):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 @requires_hopper

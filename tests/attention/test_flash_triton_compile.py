@@ -33,7 +33,7 @@ def grads_of(fn, inputs, seed=1):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_operators_equal_the_autograd_function_bitwise(op, causal):
     inputs = qkv()
-    ours = grads_of(lambda q, k, v: op(q, k, v, causal, 32**-0.5)[0], inputs)
+    ours = grads_of(lambda q, k, v: op(q, k, v, causal, 32**-0.5, False)[0], inputs)
     ref = grads_of(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal), inputs)
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)
@@ -107,3 +107,54 @@ def test_fp32_products_are_3xtf32_up_to_d128(dtype, d, expected):
     from attention.flash_triton import _meta
 
     assert _meta(torch.empty(1, 1, 8, d, dtype=dtype), causal=True)["DOT_PRECISION"] == expected
+
+
+def _record_replayed(monkeypatch) -> list[tuple[str, bool]]:
+    """Make flash_hopper's dispatch questions record (pass, replayed); the answers stay what they were."""
+    from attention import flash_hopper
+
+    asked: list[tuple[str, bool]] = []
+    forward, backward = flash_hopper.forward_problem, flash_hopper.backward_problem
+
+    def forward_problem(q, k, v, causal, replayed=False):
+        asked.append(("forward", replayed))
+        return forward(q, k, v, causal, replayed)
+
+    def backward_problem(q, k, v, do, causal, replayed=False):
+        asked.append(("backward", replayed))
+        return backward(q, k, v, do, causal, replayed)
+
+    monkeypatch.setattr(flash_hopper, "forward_problem", forward_problem)
+    monkeypatch.setattr(flash_hopper, "backward_problem", backward_problem)
+    return asked
+
+
+def test_eager_flash_asks_the_dispatch_whether_launches_are_replayed(monkeypatch):
+    from attention import graph_replay
+
+    asked = _record_replayed(monkeypatch)
+    flash = get_attention("flash")
+    inputs = qkv(seed=4)
+    grads_of(lambda q, k, v: flash(q, k, v, causal=True), inputs)
+    with graph_replay():
+        grads_of(lambda q, k, v: flash(q, k, v, causal=True), inputs)
+    # The backward runs on autograd's own thread and still sees the block the forward ran in.
+    assert asked == [("forward", False), ("backward", False), ("forward", True), ("backward", True)]
+
+
+def test_compiled_flash_keeps_the_replay_choice_it_was_traced_with(monkeypatch):
+    from attention import graph_replay
+
+    torch._dynamo.reset()
+    asked = _record_replayed(monkeypatch)
+    flash = get_attention("flash")
+    compiled = torch.compile(lambda q, k, v: flash(q, k, v, causal=True), fullgraph=True)
+    inputs = qkv(seed=5)
+    with graph_replay():
+        grads_of(compiled, inputs)
+    traced_inside = list(asked)
+    assert traced_inside and all(replayed for _, replayed in traced_inside)
+    assert {p for p, _ in traced_inside} == {"forward", "backward"}
+    asked.clear()
+    grads_of(compiled, inputs)  # outside the block: the guard on it fails, so this traces again
+    assert asked and not any(replayed for _, replayed in asked)

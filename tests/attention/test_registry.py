@@ -95,3 +95,30 @@ def test_gpu_only_backend_says_why():
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(UnsupportedInputError, match="'sdpa-flash' cannot run this input: needs a CUDA GPU"):
         get_attention("sdpa-flash")(q, q, q)
+
+
+def test_graph_replay_blocks_nest_and_close_on_errors():
+    from attention.registry import graph_replay, graph_replay_requested, launches_replayed
+
+    assert not graph_replay_requested() and not launches_replayed()
+    with graph_replay():
+        with graph_replay():
+            assert graph_replay_requested() and launches_replayed()
+        assert graph_replay_requested()
+        with pytest.raises(RuntimeError, match="boom"):
+            with graph_replay():
+                raise RuntimeError("boom")
+        assert graph_replay_requested()
+    assert not graph_replay_requested() and not launches_replayed()
+
+
+def test_compiled_code_guards_on_graph_replay_requested():
+    from attention.registry import graph_replay, graph_replay_requested
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + 1 if graph_replay_requested() else x - 1, backend="eager", fullgraph=True)
+    x = torch.randn(3)
+    assert torch.equal(compiled(x), x - 1)
+    with graph_replay():
+        assert torch.equal(compiled(x), x + 1)
+    assert torch.equal(compiled(x), x - 1)

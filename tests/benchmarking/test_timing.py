@@ -3,8 +3,8 @@ import time
 import pytest
 import torch
 
-from benchmarking.timing import (allocated_bytes, peak_allocated_bytes, reset_peak_memory, summarize, tflops,
-                                 time_ms, time_stats_ms, to_mib)
+from benchmarking.timing import (allocated_bytes, captured, peak_allocated_bytes, reset_peak_memory, summarize,
+                                 tflops, time_ms, time_stats_ms, to_mib)
 
 
 def test_summarize_known_values():
@@ -83,3 +83,24 @@ def test_cuda_timer_and_memory():
     assert allocated_bytes("cuda") - before >= 64 * 1024**2
     assert peak_allocated_bytes("cuda") >= allocated_bytes("cuda")
     del b
+
+
+def test_capture_needs_cuda():
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        captured(lambda: None, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_backward_replays_fresh_gradients():
+    x = torch.randn(256, 256, device="cuda", requires_grad=True)
+    w = torch.randn(256, 256, device="cuda")
+    replay = captured(lambda: (x @ w).square().sum().backward(), "cuda", grad_to_none=[x])
+    want = 2 * (x.detach() @ w) @ w.t()
+    x.grad.fill_(float("nan"))
+    with torch.no_grad():
+        x.mul_(2)  # the replay reads x's memory as it is now
+    replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(x.grad, 2 * want, rtol=1e-4, atol=1e-2)  # written, not accumulated into NaN
+    stats = time_ms(replay, "cuda", iters=20, warmup=5)
+    assert 0 < stats.median_ms < 100

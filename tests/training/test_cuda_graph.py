@@ -102,3 +102,21 @@ def test_cpu_tensors_are_refused():
     (x, y), = _batches(1, "cpu")
     with pytest.raises(ValueError, match="needs CUDA tensors, got one on cpu"):
         graphed(x, y)
+
+
+@requires_cuda
+def test_warm_up_and_capture_run_inside_graph_replay():
+    from attention.registry import graph_replay_requested
+
+    _, opt, step = _setup("cuda", capturable=True)
+    seen = []
+
+    def recording_step(x, y):
+        seen.append(graph_replay_requested())
+        return step(x, y)
+
+    graphed = GraphedStep(recording_step, opt, warmup=2)
+    for x, y in _batches(4, "cuda"):
+        graphed(x, y)
+    assert seen == [True, True, True]  # two eager steps and the capture; replays run no Python
+    assert not graph_replay_requested()
