@@ -244,10 +244,9 @@ def _add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
     """time / baseline's time at the same point, for each pass; blank when the baseline has no time."""
     base = next((r for r in rows if r["backend"] == baseline), None)
     for row in rows:
-        for pass_name, time_key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwdbwd", "fwdbwd_ms"),
-                                    ("fwdbwd_graph", "fwdbwd_graph_ms")):
-            mine = row.get(time_key)
-            theirs = base.get(time_key) if base else None
+        for pass_name in ("fwd", "bwd", "fwdbwd", "fwdbwd_graph"):
+            mine = row.get(f"{pass_name}_ms")
+            theirs = base.get(f"{pass_name}_ms") if base else None
             row[f"{pass_name}_ratio"] = mine / theirs if mine is not None and theirs else None
 
 

@@ -52,7 +52,9 @@ class _FlashBwdOnly(torch.autograd.Function):
         return ft.flash_backward(q, k, v, o, lse, do, True, SHAPE[-1] ** -0.5)
 
 
-class _Nothing(torch.autograd.Function):
+class Nothing(torch.autograd.Function):
+    """Allocates its outputs and computes nothing: autograd's own host time per forward+backward."""
+
     @staticmethod
     def forward(ctx, q, k, v):
         return torch.empty_like(q)
@@ -117,7 +119,7 @@ def main() -> None:
         ("flash_forward (autotune)", lambda: ft.flash_forward(q.detach(), k.detach(), v.detach(), True, scale)),
         ("flash_backward (autotune)",
          lambda: ft.flash_backward(q.detach(), k.detach(), v.detach(), o, lse, do, True, scale)),
-        ("do-nothing Function fwd+bwd", fwd_bwd(_Nothing.apply)),
+        ("do-nothing Function fwd+bwd", fwd_bwd(Nothing.apply)),
         ("FlashAttentionTriton fwd (no grad)",
          lambda: ft.FlashAttentionTriton.apply(q.detach(), k.detach(), v.detach(), True)),
         ("FlashAttentionTriton fwd+bwd", fwd_bwd(lambda q, k, v: ft.FlashAttentionTriton.apply(q, k, v, True))),

@@ -16,18 +16,9 @@ import triton
 
 from attention import flash_hopper, flash_triton, get_attention
 from tests.gpu.experiments.short_sequence_host_vs_gpu import host_us
+from tests.gpu.flash_host_breakdown import Nothing
 
 B, H, N, D = 1, 16, 4096, 64
-
-
-class _Empty(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return torch.empty_like(q)
-
-    @staticmethod
-    def backward(ctx, do):
-        return torch.empty_like(do), torch.empty_like(do), torch.empty_like(do)
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def main() -> None:
 
     def empty_fn():
         q.grad = k.grad = v.grad = None
-        _Empty.apply(q, k, v).backward(do)
+        Nothing.apply(q, k, v).backward(do)
 
     pieces = {
         "autograd: empty Function fwd+bwd (4 allocations)": empty_fn,
