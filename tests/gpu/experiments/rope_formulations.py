@@ -7,6 +7,8 @@ where x' swaps each pair (x'[2i] = x[2i+1], x'[2i+1] = x[2i]) and C, S are the c
 interleaved to the head's width. Both run as the attention block does: q, k, v taken from the fused projection
 (batch, seq, 3 * d_model), q and k rotated, all three made contiguous; forward and backward compiled, captured
 in a CUDA graph, replays timed with do_bench. Usage: PYTHONPATH=. python3 tests/gpu/experiments/rope_formulations.py
+Outcome on the H100 (results/README.md, eleventh session): 11% faster here, no faster in the whole graphed step, so
+model.layers keeps the pairs.
 """
 
 from __future__ import annotations
