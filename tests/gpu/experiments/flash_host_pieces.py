@@ -15,7 +15,7 @@ import torch
 import triton
 
 from attention import flash_hopper, flash_triton, get_attention
-from tests.gpu.experiments.short_sequence_host_vs_gpu import host_us
+from tests.gpu.experiments.short_sequence_host_vs_gpu import forced_min_scores, host_us
 from tests.gpu.flash_host_breakdown import Nothing
 
 B, H, N, D = 1, 16, 4096, 64
@@ -51,14 +51,9 @@ def main() -> None:
         attn = get_attention(name)
 
         def run():
-            saved = flash_hopper.MIN_SCORES
-            if min_scores is not None:
-                flash_hopper.MIN_SCORES = min_scores
-            try:
+            with forced_min_scores(flash_hopper.MIN_SCORES if min_scores is None else min_scores):
                 q.grad = k.grad = v.grad = None
                 attn(q, k, v, causal=True).backward(do)
-            finally:
-                flash_hopper.MIN_SCORES = saved
         return run
 
     def empty_fn():
@@ -84,20 +79,12 @@ def main() -> None:
     hopper_fwd_bwd = pieces["fwd+bwd: flash on the Hopper kernels"]
 
     def forward_only():
-        saved = flash_hopper.MIN_SCORES
-        flash_hopper.MIN_SCORES = 0
-        try:
+        with forced_min_scores(0):
             get_attention("flash")(q, k, v, causal=True)
-        finally:
-            flash_hopper.MIN_SCORES = saved
 
     def backward_direct():
-        saved = flash_hopper.MIN_SCORES
-        flash_hopper.MIN_SCORES = 0
-        try:
+        with forced_min_scores(0):
             flash_triton.flash_backward(qd, kd, vd, o, lse.view(B, H, N), do, True, scale)
-        finally:
-            flash_hopper.MIN_SCORES = saved
 
     pieces["forward only: flash on the Hopper kernels"] = forward_only
     pieces["flash_triton.flash_backward, main thread, Hopper kernels"] = backward_direct

@@ -11,6 +11,7 @@ Then a cProfile of the Hopper path's host time. Usage: PYTHONPATH=. python3 test
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -23,6 +24,17 @@ from attention import flash_hopper, get_attention
 from tests.gpu.experiments.linear_fp32_weight_grad import gpu_ms  # GPU time alone: the sleep trick
 
 B, H, N, D = 1, 16, 4096, 64
+
+
+@contextlib.contextmanager
+def forced_min_scores(value: int):
+    """flash_hopper.MIN_SCORES set to `value` inside, e.g. 0 to force the Hopper kernels onto short problems."""
+    saved = flash_hopper.MIN_SCORES
+    flash_hopper.MIN_SCORES = value
+    try:
+        yield
+    finally:
+        flash_hopper.MIN_SCORES = saved
 
 
 def host_us(run, calls: int = 20, reps: int = 5) -> float:
@@ -52,14 +64,9 @@ def main() -> None:
         return run
 
     cases = {"flash (triton)": fwd_bwd("flash"), "sdpa-cudnn": fwd_bwd("sdpa-cudnn")}
-    default_min = flash_hopper.MIN_SCORES
-
     def hopper():
-        flash_hopper.MIN_SCORES = 0
-        try:
+        with forced_min_scores(0):
             fwd_bwd("flash")()
-        finally:
-            flash_hopper.MIN_SCORES = default_min
     cases["flash (hopper)"] = hopper
     for run in cases.values():
         for _ in range(5):
