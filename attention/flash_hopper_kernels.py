@@ -29,6 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LN2 = gl.constexpr(0.6931471805599453)
+# Triton 3.9 renamed the TMA copies (async_load, async_store) and made the old names raise; 3.6 has only the old ones.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -38,15 +41,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * BLOCK_M, q_col], q_ready, q_smem.index(c))
+        _tma_load(q_desc, [q_row + c * BLOCK_M, q_col], q_ready, q_smem.index(c))
     for j in range(n_tiles):
         slot = j % STAGES
         # A fresh barrier counts as having completed the phase before its first: the first pass does not wait.
         mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot))
+        _tma_load(k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot))
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_ready.index(slot), v_smem.index(slot))
+        _tma_load(v_desc, [v_row + j * BLOCK_N, v_col], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -146,7 +149,7 @@ def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_c
     # This consumer's rows of Q are dead (its last score matmul retired): they hold O on its way out.
     q.store(o.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row, q_col], q)
+    _tma_store(o_desc, [q_row, q_col], q)
     lse = (m_i + gl.log2(l_i)) * LN2  # log2 -> natural log
     gl.store(L + lse_row + gl.arange(0, BLOCK_M, layout=row_s), lse)
     tma.store_wait(pendings=0)
@@ -287,8 +290,8 @@ def _bwd_producer(r0_desc, r1_desc, t0_desc, t1_desc, r0_smem, r1_smem, t0_smem,
     STATS: gl.constexpr = lse_desc is not None
     mbarrier.expect(res_ready, NUM_CONSUMERS * (r0_desc.block_type.nbytes + r1_desc.block_type.nbytes))
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(r0_desc, [r0_row + c * R, r0_col], res_ready, r0_smem.index(c))
-        tma.async_copy_global_to_shared(r1_desc, [r1_row + c * R, r1_col], res_ready, r1_smem.index(c))
+        _tma_load(r0_desc, [r0_row + c * R, r0_col], res_ready, r0_smem.index(c))
+        _tma_load(r1_desc, [r1_row + c * R, r1_col], res_ready, r1_smem.index(c))
     tile_bytes: gl.constexpr = t0_desc.block_type.nbytes + t1_desc.block_type.nbytes
     for i in range(n_tiles):
         slot = i % STAGES
@@ -296,12 +299,12 @@ def _bwd_producer(r0_desc, r1_desc, t0_desc, t1_desc, r0_smem, r1_smem, t0_smem,
         row = (first + i) * T
         if STATS:
             mbarrier.expect(ready.index(slot), tile_bytes + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(lse_desc, [stats_base + row], ready.index(slot), lse_smem.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [stats_base + row], ready.index(slot), delta_smem.index(slot))
+            _tma_load(lse_desc, [stats_base + row], ready.index(slot), lse_smem.index(slot))
+            _tma_load(delta_desc, [stats_base + row], ready.index(slot), delta_smem.index(slot))
         else:
             mbarrier.expect(ready.index(slot), tile_bytes)
-        tma.async_copy_global_to_shared(t0_desc, [t0_row + row, t0_col], ready.index(slot), t0_smem.index(slot))
-        tma.async_copy_global_to_shared(t1_desc, [t1_row + row, t1_col], ready.index(slot), t1_smem.index(slot))
+        _tma_load(t0_desc, [t0_row + row, t0_col], ready.index(slot), t0_smem.index(slot))
+        _tma_load(t1_desc, [t1_row + row, t1_col], ready.index(slot), t1_smem.index(slot))
 
 
 @gluon.jit
@@ -398,7 +401,7 @@ def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_co
     # dS was taken w.r.t. the scaled scores. This consumer's Q rows are dead: they hold dQ on its way out.
     q.store((dq * scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [q_row, q_col], q)
+    _tma_store(dq_desc, [q_row, q_col], q)
     tma.store_wait(pendings=0)
     return n_mine
 
@@ -592,8 +595,8 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
     v.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [k_row, k_col], k)
-    tma.async_copy_shared_to_global(dv_desc, [v_row, v_col], v)
+    _tma_store(dk_desc, [k_row, k_col], k)
+    _tma_store(dv_desc, [v_row, v_col], v)
     tma.store_wait(pendings=0)
 
 
