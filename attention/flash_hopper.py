@@ -268,6 +268,10 @@ def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[
       load (9-13% slower without a mask than four slots).
     - dQ at d 64 takes three consumers, as the forward does, when that still gives every SM four programs: 5-9%
       faster than two at N16384. At d 128 three consumers ran 44% slower than two.
+    - dK/dV at d 128 keeps 32-row query tiles. Since L and delta moved to shared memory, 64-row tiles no longer
+      spill inside the loop (`python -m attention.flash_hopper_resources dkdv,128,2,64,4`), but they ran 2% slower
+      (causal) and 1% slower (not causal) at B2 H16 N8192 (twelfth session, tests/gpu/experiments/
+      flash_hopper_bwd_tiles.py). dQ with two key tiles of 128 rows at d 64 ran 18-27% slower than three consumers.
     """
     if d == 128:
         return {"dkdv": HopperTiles(2, 32, 4), "dq": HopperTiles(2, 64, 4)}
