@@ -23,7 +23,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from attention.flash_hopper import HopperTiles, backward_tiles_for, tiles_for
+import torch
+
+from attention.flash_hopper import HopperTiles, _shared_layout, _stats_layout, backward_tiles_for, tiles_for
 
 H100_SMS = 132
 # Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as flash_hopper launches them.
@@ -51,13 +53,10 @@ class KernelResources:
 
 
 def _descriptor_type(rows: int, d: int, row_stats: bool) -> str:
-    from triton.experimental.gluon import language as gl
-
+    """The signature type of a descriptor argument, with the shared-memory layout flash_hopper's launches use."""
     if row_stats:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        return f"tensordesc<fp32[{rows}],{layout!r}>"
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
-    return f"tensordesc<bf16[{rows}, {d}],{layout!r}>"
+        return f"tensordesc<fp32[{rows}],{_stats_layout()!r}>"
+    return f"tensordesc<bf16[{rows}, {d}],{_shared_layout(rows, d, torch.bfloat16)!r}>"
 
 
 def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True):
