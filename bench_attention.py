@@ -9,7 +9,8 @@
 
 For each point (batch, heads, seq, d_head, dtype, causal) and backend: forward, backward and forward+backward
 times, TFLOP/s, memory kept for backward, forward/backward peak memory, the time ratio to a baseline backend,
-and the error of the output and gradients against a float64 reference. Out of memory is a row, not a crash.
+and the error of the output and gradients against a float64 reference; for flash, which kernels ran each pass
+(Triton or Hopper) and why. Out of memory is a row, not a crash.
 --graph-timing adds the forward and forward+backward times of each call replayed from a CUDA graph: the GPU time
 alone, which is what a graphed training step pays. Short problems are bound by host time without it.
 Writes results.md, results.csv, results.json and PNG plots to --out (default runs/bench_attention/<time>).
@@ -35,6 +36,7 @@ from benchmarking.attention_measure import BWD_DIFFERENCE, measure_backend
 from benchmarking.attention_memory import explain_backend, explain_header
 from benchmarking.attention_point import DTYPES, AttentionInputs, AttentionPoint, make_inputs
 from benchmarking.attention_reference import RELATIVE_TOLERANCE, Reference, reference
+from benchmarking.decode import DECODE_COLUMNS, attention_decode_rows
 from benchmarking.environment import describe, environment_info
 from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_message
@@ -66,6 +68,7 @@ DEFAULTS: dict[str, Any] = {"batch": 1, "heads": 8, "seq_lens": [256, 1024, 4096
 # Column order of results.csv / results.json rows.
 COLUMNS = [
     "backend", "batch", "heads", "seq", "d_head", "dtype", "causal", "status", "note",
+    "fwd_kernel", "bwd_kernel", "kernel_reason",
     "fwd_ms", "bwd_ms", "fwdbwd_ms", "bwd_method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
     "fwd_ratio", "bwd_ratio", "fwdbwd_ratio", "fwd_graph_ms", "fwdbwd_graph_ms", "fwdbwd_graph_ratio",
     "inputs_mib", "saved_mib", "saved_tensors_mib", "fwd_peak_mib", "bwd_peak_mib",
@@ -152,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time forward and forward+backward replayed from a CUDA graph (GPU time without the "
                         "host time of launching; CUDA only)")
     p.add_argument("--list-backends", action="store_true", help="print the registered backends and exit")
+    p.add_argument("--decode", type=_positive_ints, metavar="BATCHES",
+                   help="decode points instead, at these batch sizes (e.g. 1,8,64): one query per sequence and head "
+                        "against a KV cache of each --seq-lens length (default 1024..131072), through each backend's "
+                        "decode path (default flash,sdpa,flex); time, GB/s of K and V read, and that over the "
+                        "measured copy bandwidth")
     return p
 
 
@@ -375,6 +383,11 @@ def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
     blocks.append(report.markdown_table(_correctness_summary(rows),
                                         ["backend", "dtype", "points", "max_rel_err", "max_err_out", "max_err_dq",
                                          "max_err_dk", "max_err_dv", "failed"]))
+    kernels = [r for r in rows if r.get("fwd_kernel")]
+    if kernels:
+        blocks.append("## Kernels flash ran (Triton or Hopper), and why")
+        blocks.append(report.markdown_table(kernels, ["seq", "d_head", "dtype", "causal", "fwd_kernel", "bwd_kernel",
+                                                      "kernel_reason"]))
     not_run = _not_run_summary(rows)
     if not_run:
         blocks.append("## Not run, or forward only")
@@ -481,6 +494,25 @@ def _backend_listing() -> str:
                      + ("" if b.available else f" ({b.reason})") for b in list_attention())
 
 
+def decode_points(args: argparse.Namespace, cfg: Config, environment: dict[str, Any]) -> BenchResult:
+    """--decode: the rows of benchmarking.decode.attention_decode_rows, written as decode.md/.csv/.json."""
+    cache_lens = args.seq_lens or [1024 * 2 ** i for i in range(8)]
+    backends = args.backends or ["flash", "sdpa", "flex"]
+    rows = []
+    for dtype in cfg.dtypes:
+        rows += attention_decode_rows(backends, args.decode, cfg.heads, cache_lens, cfg.d_heads, DTYPES[dtype],
+                                      torch.device(cfg.device))
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    table = report.markdown_table(rows, DECODE_COLUMNS, {"ms": ".4f", "gbs": ".0f", "copy_fraction": ".0%"})
+    report.write_markdown(cfg.out / "decode.md", "Decode attention", [f"`{cfg.command}`", table],
+                          environment=environment)
+    files = {"decode.csv": report.write_csv(rows, cfg.out / "decode.csv", DECODE_COLUMNS),
+             "decode.json": report.write_json(rows, cfg.out / "decode.json", environment)}
+    print(table)
+    print(f"wrote {len(rows)} rows to {cfg.out}/ (decode.md, decode.csv, decode.json)", file=sys.stderr)
+    return BenchResult(rows, cfg, environment, files)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
     """Run the benchmark for command-line `argv`; returns its rows, config, environment and written files."""
     parser = build_parser()
@@ -493,6 +525,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
     _allow_many_compilations()
     environment = environment_info(cfg.device)
     print(f"bench_attention on {describe(environment)}", file=sys.stderr)
+
+    if args.decode:
+        return decode_points(args, cfg, environment)
 
     if args.explain_memory:
         rows, text = explain_memory(cfg)
@@ -518,7 +553,7 @@ def cli() -> int:
         return 0
     if not result.complete:
         return 130
-    return int(any(r["status"] == "error" or r["check"] == "FAIL" for r in result.rows))
+    return int(any(r["status"] == "error" or r.get("check") == "FAIL" for r in result.rows))
 
 
 if __name__ == "__main__":

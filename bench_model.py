@@ -1,8 +1,10 @@
 """Benchmark the whole Transformer LM: forward, backward and AdamW step times, tokens/s, MFU and peak memory.
 
 Sweeps sizes x context lengths x attention backends x dtypes x compile x modes on random tokens; an OOM is a
-result, not a crash. Writes results.md / results.csv / results.json / PNG plots to --out; --nvtx, --profile and
---memory-snapshot make the same runs easy to profile, --explain-memory prints where the bytes go.
+result, not a crash. The train-step is the one train.py runs (training/step.py: the same compile, DDP/FSDP wrap,
+AdamW and CUDA graph), timed without gradient clipping. Writes results.md / results.csv / results.json / PNG plots
+to --out; --nvtx, --profile and --memory-snapshot make the same runs easy to profile, --explain-memory prints where
+the bytes go.
 
     python bench_model.py --sizes small,medium --context-lengths 128,256,512,1024 --dtype fp32,bf16 \\
         --mode forward-backward
@@ -23,13 +25,15 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
 from attention import UnsupportedInputError, backend_names, list_attention
 from benchmarking import report
+from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
+from benchmarking.decode import sampling_figures
 from benchmarking.environment import describe, environment_info
 from benchmarking.hf_llama import HFLlama
 from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
@@ -40,64 +44,16 @@ from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
 from profiling.memory_snapshot import VIEWER_URL, format_peak, peak_report, record_memory_history, snapshot_unavailable
 from profiling.torch_profile import kernel_markdown, profile_steps
-from training import distributed
-from training.compilation import COMPILE_SCOPES, compile_regions
-from training.cuda_graph import GraphedStep
+from training import cli, distributed
 from training.distributed import DistContext, DistributedError
 from training.metrics import mfu
-from training.overlapped_optimizer import OverlappedOptimizer, step_partitions
+from training.step import GRAPH_WARMUP, OptimizerConfig, StepConfig, TrainingStep, build_step
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # bf16 = autocast over fp32 master weights
+PRECISIONS = ("fp32", "bf16")  # training.precision's names; bf16 = autocast over fp32 master weights
 IMPLS = ("ours", "hf")
-MODES = ("forward", "forward-backward", "train-step")
-PHASES = ("forward", "backward", "optimizer", "total")
+MODES = ("forward", "forward-backward", "train-step", "prefill", "decode")
+SAMPLING_MODES = ("prefill", "decode")  # benchmarking/decode.py: bf16/fp32 weights, no autocast, no grad
 GIB = 1024**3
-GRAPH_WARMUP = 2  # eager steps before a CUDA graph is captured (compile and autotune happen in the first)
-
-# Every column of results.csv / results.json, with what it means (the README lists these).
-COLUMNS: dict[str, str] = {
-    "size": "preset name, or 'custom' for --d-model/--n-layers/--n-heads/--d-ff",
-    "params": "parameter count, TransformerLM.num_params()",
-    "d_model": "model width",
-    "n_layers": "blocks",
-    "n_heads": "attention heads",
-    "d_ff": "SwiGLU hidden size",
-    "vocab_size": "vocabulary",
-    "context_length": "tokens per sequence T",
-    "batch_size": "sequences per step B",
-    "impl": "ours (TransformerLM) or hf (the peer: transformers' LlamaForCausalLM, same sizes, SDPA attention)",
-    "attn": "attention backend",
-    "dtype": "fp32, or bf16 autocast with fp32 master weights",
-    "compile": "torch.compile on the model: per block and LM head + loss (--compile-scope blocks) or whole model",
-    "mode": "forward (no grad), forward-backward, or train-step (forward + backward + AdamW)",
-    "cuda_graph": "train-step replayed as one CUDA graph (training.cuda_graph); its phases are then not split, and "
-                  "peak memory counts from the capture on (a replay allocates nothing: it runs in the graph's pool)",
-    "overlap_optimizer": "AdamW stepped parameter by parameter during the backward, on a second stream "
-                         "(training.overlapped_optimizer); the backward phase then includes most of the optimizer",
-    "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
-    **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
-       for p in PHASES for s in ("mean", "std")},
-    "tokens_per_s": "batch_size * context_length / mean total step time",
-    "mfu": "model FLOPs utilisation vs the GPU's dense bf16 peak (training.metrics.mfu); forward counts 1/3",
-    "peak_mem_gib": "peak allocated CUDA memory over the timed steps, GiB (empty on CPU)",
-    "warmup": "untimed steps before timing",
-    "steps": "timed steps",
-    "message": "why a row has no figures (OOM / unsupported / error text)",
-}
-
-# Added after COLUMNS under --parallel ddp|fsdp (a --parallel none run writes exactly COLUMNS).
-PARALLEL_COLUMNS: dict[str, str] = {
-    "parallel": "ddp or fsdp; batch_size is then per GPU, the phase times and peak memory the largest over ranks",
-    "world_size": "ranks (GPUs) N",
-    "tokens_per_s_1gpu": "tokens/s of the plain model on rank 0 alone, same per-GPU batch (the baseline)",
-    "scaling_efficiency": "tokens_per_s / (world_size * tokens_per_s_1gpu); 1.0 = perfect weak scaling",
-}
-
-
-def columns_for(args: argparse.Namespace) -> list[str]:
-    """The columns of this run's results.csv / results.json."""
-    return list(COLUMNS) + (list(PARALLEL_COLUMNS) if args.parallel != "none" else [])
-
 
 # --- arguments -------------------------------------------------------------------------------------------
 
@@ -111,10 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("what to run")
     m.add_argument("--sizes", nargs="+", help=f"size presets, comma list: {', '.join(PRESETS)} (default small)")
-    m.add_argument("--d-model", type=int, help="custom size: width (with --n-layers --n-heads --d-ff; named 'custom')")
-    m.add_argument("--n-layers", type=int, help="custom size: blocks")
-    m.add_argument("--n-heads", type=int, help="custom size: attention heads")
-    m.add_argument("--d-ff", type=int, help="custom size: SwiGLU hidden size")
+    cli.add_model_shape_flags(m, "custom size (all four, named 'custom'):")
     m.add_argument("--vocab-size", type=int, default=10_000, help="vocabulary (default 10000)")
     m.add_argument("--context-lengths", nargs="+", default=["128,256,512,1024"],
                    help="context lengths, comma list (default 128,256,512,1024)")
@@ -122,18 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per step (default 4); with --parallel, per GPU (weak scaling: each rank gets "
                         "--batch-size sequences, the global batch is N x --batch-size)")
     m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends, comma list (default sdpa)")
-    m.add_argument("--weight-grads", choices=["fp32", "autocast"], default="fp32",
-                   help="under bf16 autocast, Linear weight gradients written in fp32 by their matmul (default) or "
-                        "as plain autocast does (bf16, then cast); ours only")
+    cli.add_weight_grads_flag(m)
     m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast), comma list")
     m.add_argument("--impl", nargs="+", default=["ours"],
                    help=f"{', '.join(IMPLS)}; comma list (default ours). hf is the peer, transformers' Llama "
                         "(needs transformers): same sizes, step, optimizer and tokens, timed in the same run")
     m.add_argument("--compile", nargs="?", const="on", default="off", choices=["on", "off", "both"],
                    help="torch.compile the model: on, off (default) or both; a bare --compile means on")
-    m.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
-                   help="what --compile compiles: blocks (default: each block, reusing one graph, and the LM head "
-                        "with the loss, as torchtitan) or model (the whole model as one graph)")
+    cli.add_compile_scope_flag(m)
     m.add_argument("--cuda-graph", nargs="?", const="on", default="off", choices=["on", "off", "both"],
                    help="replay the whole train-step (forward, backward, AdamW) as one CUDA graph: on, off (default) "
                         "or both; removes the host's time per step. Needs --mode train-step, a GPU and --warmup >= 3")
@@ -146,15 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     m.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     m.add_argument("--seed", type=int, default=0, help="seed for init and the random tokens")
-    m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device (default cuda if available, else cpu)")
+    cli.add_device_flag(m)
     d = p.add_argument_group("several GPUs (launch with torchrun)")
-    d.add_argument("--parallel", choices=distributed.PARALLEL_MODES, default="none",
-                   help="none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, after "
-                        "a one-GPU baseline on rank 0, and rows report scaling efficiency")
-    d.add_argument("--dist-timeout", type=float, default=1800,
-                   help="seconds a rank waits at a collective (the other ranks wait out rank 0's baseline) "
-                        "(default 1800)")
+    cli.add_parallel_flags(d, "none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, "
+                              "after a one-GPU baseline on rank 0, and rows report scaling efficiency",
+                           1800, "seconds a rank waits at a collective (the other ranks wait out rank 0's baseline) "
+                                 "(default 1800)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="runs/bench_model", help="directory for results.md/.csv/.json and plots")
     o.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
@@ -236,7 +182,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     """Parse the list flags and reject bad values with a message naming the problem (exit status 2)."""
     args.context_lengths = _positive_ints(p, "--context-lengths", _split(args.context_lengths))
     args.attn = _choices(p, "--attn", _split(args.attn), backend_names(), "attention backend")
-    args.dtype = _choices(p, "--dtype", _split(args.dtype), list(DTYPES), "dtype")
+    args.dtype = _choices(p, "--dtype", _split(args.dtype), list(PRECISIONS), "dtype")
     args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
     args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
     if args.cuda_graph != "off":
@@ -261,11 +207,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
             import transformers  # noqa: F401
         except ImportError:
             p.error("--impl hf needs transformers: pip install transformers")
-    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
-                               ("--warmup", args.warmup, 0), ("--vocab-size", args.vocab_size, 1),
-                               ("--profile-steps", args.profile_steps, 1), ("--snapshot-steps", args.snapshot_steps, 1)):
-        if value < least:
-            p.error(f"{flag} must be >= {least}, got {value}")
+    cli.check_at_least(p, args, 1, "batch_size", "steps")
+    cli.check_at_least(p, args, 0, "warmup")
+    cli.check_at_least(p, args, 1, "vocab_size", "profile_steps", "snapshot_steps")
 
     custom = {"--d-model": args.d_model, "--n-layers": args.n_layers, "--n-heads": args.n_heads, "--d-ff": args.d_ff}
     given = [k for k, v in custom.items() if v is not None]
@@ -288,14 +232,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         except ValueError as e:
             p.error(f"size {size!r}: {e}")
 
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        p.error(f"--device: {e}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch.cuda.is_available() is False")
-    if args.cuda_graph != "off" and device.type != "cuda":
-        p.error(f"--cuda-graph needs a CUDA device, got --device {device}")
+    device = cli.check_device(p, args.device, args.parallel)
+    # The step itself: ours through training.step, never clipped (grad_clip None), as --overlap-optimizer needs.
+    cli.check_step_flags(p, device, args.parallel, args.dtype, args.cuda_graph != "off",
+                         args.overlap_optimizer != "off")
     args.device = device
     if args.nvtx:
         reason = nvtx.unavailable()
@@ -311,8 +251,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
                             ("--explain-memory", args.explain_memory)):
             if value:
                 p.error(f"{flag} is for one device; drop --parallel (profile the one-GPU configuration)")
-        if args.dist_timeout <= 0:
-            p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+        cli.check_dist_timeout(p, args)
         try:
             _, args.world_size, _ = distributed.launch_env(args.parallel, script="bench_model.py")
         except DistributedError as e:
@@ -327,14 +266,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     launcher = ["python"] if args.parallel == "none" else ["torchrun", "--nproc-per-node", str(args.world_size)]
     args.command = shlex.join([*launcher, "bench_model.py", *argv])  # recorded in results.md
     return args
-
-
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's settings as JSON-friendly values (results.json, W&B config)."""
-    config = {k: v for k, v in vars(args).items() if k != "configs"}
-    config["device"] = str(args.device)
-    config["configs"] = {k: c.to_dict() for k, c in args.configs.items()}
-    return config
 
 
 def sweep_points(args: argparse.Namespace) -> list[Point]:
@@ -369,44 +300,28 @@ def _phase(name: str, annotate: bool) -> ContextManager[None]:
 
 @dataclass
 class Runner:
-    """Model, optimizer and the step function of one configuration.
-
-    `model` owns the parameters; `step_model` is what forward calls (the compiled and, later, a DDP/FSDP-wrapped
-    model): a parallel variant only has to build a different `step_model` (and shard the data), not a new step.
-    """
+    """One configuration's training step (training.step, as train.py builds it) and its timing phase by phase."""
 
     point: Point
-    model: torch.nn.Module  # TransformerLM, or HFLlama for the peer
-    step_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, targets) -> loss
-    optimizer: Optional[torch.optim.Optimizer | OverlappedOptimizer]
-    device: torch.device
+    train: TrainingStep
     annotate: bool = False  # add torch.profiler labels to the phases
-    graphed: Optional[GraphedStep] = None  # the train-step as a CUDA graph (point.cuda_graph)
 
-    def autocast(self) -> ContextManager[None]:
-        dtype = DTYPES[self.point.dtype]
-        return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.train.model  # TransformerLM, or HFLlama for the peer
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy in fp32, computed inside the model (and its compiled code), as train.py's lm_loss."""
-        with self.autocast():
-            return self.step_model(ids, targets)
-
-    def train_step(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor]:
-        """Forward, backward and AdamW step, without synchronising: what the CUDA graph captures."""
-        loss = self.loss(ids, targets)
-        loss.backward()
-        self.optimizer.step()
-        return (loss.detach(),)
+    @property
+    def device(self) -> torch.device:
+        return self.train.device
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """One step of the point's mode; returns each phase's time in ms, synchronised at each boundary."""
-        mode, sync = self.point.mode, self.device
-        if self.graphed is not None:
+        mode, sync, train = self.point.mode, self.device, self.train
+        if train.graphed is not None:
             synchronize(sync)
             start = time.perf_counter()
             with _phase("step (CUDA graph)", self.annotate):
-                self.graphed(ids, targets)
+                train(ids, targets)
                 synchronize(sync)
             return {"total": (time.perf_counter() - start) * 1e3}
         for p in self.model.parameters():  # set_to_none: backward writes fresh gradients, no accumulation
@@ -416,20 +331,20 @@ class Runner:
         start = time.perf_counter()
         with _phase("forward", self.annotate):
             with torch.no_grad() if mode == "forward" else contextlib.nullcontext():
-                loss = self.loss(ids, targets)
+                loss = train.loss(ids, targets)
             synchronize(sync)
         t = time.perf_counter()
         times["forward"] = (t - start) * 1e3
         if mode != "forward":
             with _phase("backward", self.annotate):
-                loss.backward()
+                train.backward(loss)
                 synchronize(sync)
             t, last = time.perf_counter(), t
             times["backward"] = (t - last) * 1e3
         if mode == "train-step":
             with _phase("optimizer", self.annotate):
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                train.optimizer_step()
+                train.optimizer.zero_grad(set_to_none=True)
                 synchronize(sync)
             t, last = time.perf_counter(), t
             times["optimizer"] = (t - last) * 1e3
@@ -437,35 +352,22 @@ class Runner:
         return times
 
 
-def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] = None) -> Runner:
-    """The model on `device` (built there: no CPU init of a 2.7B model), compiled if asked, and its optimizer.
+def step_config(point: Point) -> StepConfig:
+    """The point's training step: train.py's recipe and AdamW, timed without gradient clipping or the gradient
+    norm, so that rows with and without --overlap-optimizer (which cannot clip) time the same work."""
+    return StepConfig(precision=point.dtype, compile=point.compile, compile_scope=point.compile_scope,
+                      overlap_optimizer=point.overlap_optimizer, cuda_graph=point.cuda_graph, grad_norm=False,
+                      optimizer=OptimizerConfig(grad_clip=0.0))
 
-    As train.py: compile scope blocks compiles the blocks and the loss in place before a distributed `ctx` wraps the
-    model (DDP / FSDP2), scope model compiles the wrapped model; the optimizer comes last (FSDP replaces the
-    parameters by their shards).
-    """
+
+def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] = None) -> Runner:
+    """The model built on `device` (no CPU init of a 2.7B model) and its step from training.step.build_step: the
+    same recipe as train.py (compile, DDP/FSDP wrap under a distributed `ctx`, AdamW, CUDA graph)."""
     with device:
         model = HFLlama(point.cfg) if point.impl == "hf" else TransformerLM(point.cfg)
     if point.compile:
         torch._dynamo.reset()  # fresh caches: no recompile limit or automatic-dynamic shapes across points
-        if point.compile_scope == "blocks" and point.impl == "ours":
-            compile_regions(model, dynamic=False)
-    step_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
-    if ctx is not None and ctx.is_distributed:
-        step_model = distributed.wrap_model(model, ctx, DTYPES[point.dtype])
-    if point.compile and point.compile_scope == "model":
-        step_model = torch.compile(step_model, dynamic=False)
-    optimizer = None
-    if point.mode == "train-step":  # capturable: the step count on the GPU, so a CUDA graph can replay the step
-        def adamw(params) -> torch.optim.AdamW:
-            return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda", capturable=point.cuda_graph)
-
-        optimizer = (OverlappedOptimizer(step_partitions(model), adamw) if point.overlap_optimizer
-                     else adamw(model.parameters()))
-    runner = Runner(point, model, step_model, optimizer, device)
-    if point.cuda_graph:
-        runner.graphed = GraphedStep(runner.train_step, optimizer, warmup=GRAPH_WARMUP)
-    return runner
+    return Runner(point, build_step(model, step_config(point), ctx, graph_warmup=GRAPH_WARMUP))
 
 
 def random_batch(point: Point, device: torch.device, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,6 +421,13 @@ def run_point(point: Point, args: argparse.Namespace, single: bool,
     """
     device = args.device
     torch.manual_seed(args.seed)  # the same weights on every rank
+    if point.mode in SAMPLING_MODES:
+        # context_length is the prompt (prefill) or the KV cache (decode); a step makes a token per sequence.
+        dtype = torch.bfloat16 if point.dtype == "bf16" else torch.float32
+        figures = sampling_figures(point.mode, point.impl, point.cfg, point.batch_size, point.context_length, dtype,
+                                   point.compile, device, args.steps, args.warmup)
+        peak = peak_allocated_bytes(device)
+        return {"status": "ok", **figures, "peak_mem_gib": None if peak is None else peak / GIB}
     generator = torch.Generator().manual_seed(args.seed + (ctx.rank if ctx else 0))  # each rank its own tokens
     runner = build_runner(point, device, ctx)
     ids, targets = random_batch(point, device, generator)
@@ -578,9 +487,9 @@ def explain_point(point: Point, runner: Runner, ids: torch.Tensor, targets: torc
     if point.mode != "forward":
         # A compiled model saves what inductor chose; the accounting describes the eager model (force_eager also
         # runs the blocks that compile_regions compiled in place without their compiled code).
-        eager = replace(runner, step_model=runner.model)
         with torch.compiler.set_stance("force_eager"):
-            saved = measure_saved_bytes(lambda: eager.loss(ids, targets), exclude=list(runner.model.parameters()))
+            saved = measure_saved_bytes(lambda: runner.train.loss(ids, targets, model=runner.model),
+                                        exclude=list(runner.model.parameters()))
         state = sum(s.nbytes for s in breakdown.state[0].terms if "autocast" in s.name)
         measured.append(("measured: saved for backward, eager (incl. autocast weight copies)", saved))
         measured.append(("  expected, same terms", breakdown.saved_bytes + state))
@@ -642,101 +551,6 @@ def replace_parallel(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "parallel": "none", "world_size": 1})
 
 
-# --- output ----------------------------------------------------------------------------------------------
-
-
-def _mean_std(row: dict[str, Any], phase: str) -> Optional[str]:
-    mean, std = row.get(f"{phase}_ms_mean"), row.get(f"{phase}_ms_std")
-    return None if mean is None else f"{mean:.2f} ± {std:.2f}"
-
-
-def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str, Any]) -> list[str]:
-    """The blocks of results.md: settings, one line per configuration, then size x context pivots."""
-    shown = []
-    for r in rows:
-        d = dict(r)
-        d["params_m"] = r["params"] / 1e6
-        for phase in PHASES:
-            d[phase] = _mean_std(r, phase)
-        d["mfu_pct"] = None if r.get("mfu") is None else 100 * r["mfu"]
-        d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
-        shown.append(d)
-    columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn", "dtype": "dtype",
-               "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph", "overlap_optimizer": "opt overlap",
-               "forward": "forward ms", "backward": "backward ms",
-               "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
-               "peak_mem_gib": "peak GiB", "status": "status"}
-    blocks = [
-        f"`{args.command}`",
-        f"Batch {args.batch_size}{' per GPU' if args.parallel != 'none' else ''}, vocab {args.vocab_size}, "
-        f"{args.warmup} warm-up + {args.steps} timed steps per "
-        f"configuration, random tokens; {describe(env)}. Times are mean ± sample std, each phase synchronised.",
-        report.markdown_table(shown, columns, formats={"params_m": ".1f", "tokens_per_s": ".0f", "mfu_pct": ".1f",
-                                                        "peak_mem_gib": ".2f"}),
-    ]
-    for key, group in _variants(rows).items():
-        blocks.append(f"## Total step ms, {key}")
-        blocks.append(report.pivot_markdown(group, "size", "context_length",
-                                            report.value_or_status("total_ms_mean", ".2f"), column_label="T"))
-        if any(r.get("peak_mem_gib") is not None for r in group):
-            blocks.append(f"## Peak memory GiB, {key}")
-            blocks.append(report.pivot_markdown(group, "size", "context_length",
-                                                report.value_or_status("peak_mem_gib", ".2f"), column_label="T"))
-    if args.parallel != "none":
-        blocks.append(f"## Scaling, {args.parallel} over {args.world_size} GPUs")
-        blocks.append(f"Batch {args.batch_size} per GPU (weak scaling); efficiency = tokens/s on {args.world_size} "
-                      f"GPUs / ({args.world_size} x tokens/s of the plain model on one GPU).")
-        scaling = [{**r, "config": f"{r['size']} T={r['context_length']} {_variant(r)}"} for r in rows]
-        blocks.append(report.markdown_table(
-            scaling, {"config": "config", "world_size": "world size", "tokens_per_s_1gpu": "tokens/s 1 GPU",
-                      "tokens_per_s": f"tokens/s {args.world_size} GPUs", "scaling_efficiency": "efficiency"},
-            formats={"tokens_per_s_1gpu": ".0f", "tokens_per_s": ".0f", "scaling_efficiency": ".3f"}))
-    explained = [r["explanation"] for r in rows if r.get("explanation")]
-    if explained:
-        blocks.append("## Memory accounting (--explain-memory)")
-        blocks += [f"```\n{e}\n```" for e in explained]
-    return blocks
-
-
-def _variant(row: dict[str, Any]) -> str:
-    who = "hf-llama" if row.get("impl") == "hf" else row["attn"]
-    graph = " cuda-graph" if row.get("cuda_graph") else ""
-    overlap = " opt-overlap" if row.get("overlap_optimizer") else ""
-    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}"
-
-
-def _variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(_variant(r), []).append(r)
-    return groups
-
-
-def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Path]:
-    """results.md, results.csv, results.json and the PNG plots in --out; returns name -> path."""
-    out = Path(args.out)
-    config = run_config(args)
-    columns = columns_for(args)
-    paths = {
-        "results.md": report.write_markdown(out / "results.md", "Model benchmark", results_markdown(rows, args, env),
-                                            environment=env),
-        "results.csv": report.write_csv(rows, out / "results.csv", columns=columns),
-        "results.json": report.write_json([{k: r.get(k) for k in columns} for r in rows], out / "results.json",
-                                          environment=env, config=config),
-    }
-    plot_rows = [{**r, "variant": _variant(r).rsplit(" ", 1)[0]} for r in rows]
-    for mode in args.mode:
-        subset = [r for r in plot_rows if r["mode"] == mode]
-        for name, y, label in (("step_time", "total_ms_mean", "step time (ms)"),
-                               ("memory", "peak_mem_gib", "peak memory (GiB)")):
-            path = report.plot_lines(subset, "context_length", y, "variant", out / f"{name}_{mode}.png",
-                                     facet="size", title=f"{label} vs context, {mode}, batch {args.batch_size}",
-                                     xlabel="context length", ylabel=label, logx=True, logy=True)
-            if path is not None:
-                paths[path.name] = path
-    return paths
-
-
 # --- main ------------------------------------------------------------------------------------------------
 
 
@@ -762,7 +576,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
                     row = (measure_parallel(point, args, ctx) if ctx.is_distributed
                            else measure(point, args, single=len(points) == 1))
                     rows.append(row)
-                    say(_summary_line(row, point))
+                    say(summary_line(row, point.label))
                     if ctx.is_main:
                         report.write_csv(rows, Path(args.out) / "results.csv", columns=columns_for(args))
             interrupted = False
@@ -808,19 +622,6 @@ def _quiet(*args: Any, **kwargs: Any) -> None:
     """tqdm.write of ranks other than 0."""
 
 
-def _summary_line(row: dict[str, Any], point: Point) -> str:
-    if row["status"] != "ok":
-        return f"{point.label}: {row['status']} ({row.get('message')})"
-    parts = [f"{p} {row[f'{p}_ms_mean']:.2f}±{row[f'{p}_ms_std']:.2f} ms" for p in PHASES
-             if row.get(f"{p}_ms_mean") is not None]
-    parts.append(f"{row['tokens_per_s']:.0f} tok/s")
-    if row.get("mfu") is not None:
-        parts.append(f"MFU {100 * row['mfu']:.1f}%")
-    if row.get("peak_mem_gib") is not None:
-        parts.append(f"peak {row['peak_mem_gib']:.2f} GiB")
-    if row.get("scaling_efficiency") is not None:
-        parts.append(f"scaling efficiency {row['scaling_efficiency']:.2f} vs 1 GPU")
-    return f"{point.label}: " + ", ".join(parts)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ with `get_attention`, so the model never knows which kernel runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol
@@ -35,6 +36,8 @@ class UnsupportedInputError(ValueError):
 # A check returns None when the backend can run, else the reason it cannot.
 EnvironmentCheck = Callable[[], Optional[str]]
 InputCheck = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], Optional[str]]
+DecodeCheck = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Optional[str]]
+DecodeFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class Backend:
     description: str
     environment_check: EnvironmentCheck = field(default=lambda: None)
     input_check: InputCheck = field(default=lambda q, k, v, causal: None)
+    decode: Optional[DecodeFn] = None  # decode(q, k_cache, v_cache, cache_len, scale), see attention/decode.py
+    decode_check: DecodeCheck = field(default=lambda q, k_cache, v_cache: None)
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,15 @@ def get_attention(name: str) -> AttentionFn:
             raise UnsupportedInputError(f"attention backend {name!r} cannot run this input: {reason}")
         return backend.fn(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
 
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor, *,
+               scale: Optional[float] = None) -> torch.Tensor:
+        reason = why_not_decode(name, q, k_cache, v_cache, cache_len)
+        if reason is not None:
+            raise UnsupportedInputError(f"attention backend {name!r} cannot decode this input: {reason}")
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale)
+
+    attention.decode = decode
     attention.__name__ = f"attention_{name}"
     attention.__doc__ = backend.description
     return attention
@@ -180,3 +194,55 @@ def why_not(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         return str(e)
     b = _BACKENDS[name]
     return b.environment_check() or b.input_check(q, k, v, causal)
+
+
+def register_decode(name: str, *, input_check: DecodeCheck = lambda q, k_cache, v_cache: None
+                    ) -> Callable[[DecodeFn], DecodeFn]:
+    """Decorator: give the registered backend `name` a decode path `fn(q, k_cache, v_cache, cache_len, scale)`.
+
+    Decode attention (attention/decode.py): q (..., heads, n_new, d_head) against the first cache_len positions
+    of k_cache, v_cache (..., heads, max_len, d_head); callers reach it as `get_attention(name).decode(...)`.
+    """
+
+    def decorate(fn: DecodeFn) -> DecodeFn:
+        if name not in _BACKENDS:
+            raise UnknownBackendError(f"decode for unknown attention backend {name!r}")
+        if _BACKENDS[name].decode is not None:
+            raise ValueError(f"attention backend {name!r} has two decode paths")
+        _BACKENDS[name] = dataclasses.replace(_BACKENDS[name], decode=fn, decode_check=input_check)
+        return fn
+
+    return decorate
+
+
+def validate_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cache_len: int | torch.Tensor) -> None:
+    """Shape, dtype and device checks of a decode call; raises UnsupportedInputError naming the problem."""
+    validate_qkv(q, k_cache, v_cache, causal=False)
+    if q.shape[-2] > k_cache.shape[-2]:
+        raise UnsupportedInputError(f"{q.shape[-2]} new queries do not fit a cache of {k_cache.shape[-2]} positions")
+    if isinstance(cache_len, torch.Tensor):
+        lead = q.shape[:-2]
+        if cache_len.is_floating_point() or cache_len.is_complex() or cache_len.dim() > len(lead) \
+                or tuple(cache_len.shape) != tuple(lead[:cache_len.dim()]):
+            raise UnsupportedInputError(f"cache_len must be an integer tensor shaped like the leading dims of q "
+                                        f"{tuple(lead)} (e.g. (batch,)), got {cache_len.dtype} "
+                                        f"{tuple(cache_len.shape)}")
+        if cache_len.device != q.device:
+            raise UnsupportedInputError(f"cache_len must be on q's device {q.device}, got {cache_len.device}")
+    elif not q.shape[-2] <= cache_len <= k_cache.shape[-2]:
+        raise UnsupportedInputError(f"cache_len must be in {q.shape[-2]}..{k_cache.shape[-2]} (the new queries "
+                                    f"..the cache size), got {cache_len}")
+
+
+def why_not_decode(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cache_len: int | torch.Tensor) -> Optional[str]:
+    """None if backend `name` can run this decode call, else the reason (no exception)."""
+    b = _BACKENDS[name]
+    if b.decode is None:
+        return "it has no decode path"
+    try:
+        validate_decode(q, k_cache, v_cache, cache_len)
+    except UnsupportedInputError as e:
+        return str(e)
+    return b.environment_check() or b.decode_check(q, k_cache, v_cache)

@@ -51,16 +51,10 @@ def _pinned(kernel: SDPBackend):
     return run
 
 
-register(
-    "sdpa-flash",
-    description="SDPA pinned to its FlashAttention-2 CUDA kernel (peer)",
-    environment_check=_needs_cuda,
-    input_check=_half_precision_head_dim(256),
-)(_pinned(SDPBackend.FLASH_ATTENTION))
-
-register(
-    "sdpa-cudnn",
-    description="SDPA pinned to its cuDNN kernel (peer)",
-    environment_check=_needs_cuda,
-    input_check=_half_precision_head_dim(128),
-)(_pinned(SDPBackend.CUDNN_ATTENTION))
+# SDPA pinned to one of its CUDA kernels: name, kernel, description, largest head dim it takes.
+for _name, _kernel, _what, _max_d in (
+    ("sdpa-flash", SDPBackend.FLASH_ATTENTION, "its FlashAttention-2 CUDA kernel", 256),
+    ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, "its cuDNN kernel", 128),
+):
+    register(_name, description=f"SDPA pinned to {_what} (peer)", environment_check=_needs_cuda,
+             input_check=_half_precision_head_dim(_max_d))(_pinned(_kernel))

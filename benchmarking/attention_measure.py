@@ -15,7 +15,8 @@ Order per backend, on the shared inputs of the point:
    the replay timed as above: GPU time without the host time of the launches. A backend that cannot be captured
    gets no figure and a note.
 A backend whose backward cannot run on this input but whose forward can (FlexAttention on CPU) is
-measured forward-only (no grad), and the row's note says why.
+measured forward-only (no grad), and the row's note says why. For `flash` the row also says which kernels ran the
+forward and the backward, and why (attention.flash_kernels).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from attention import get_attention, graph_replay, why_not
+from attention import flash_kernels, get_attention, graph_replay, why_not
 from benchmarking.attention_memory import SavedTensor, SavedTensorRecorder
 from benchmarking.attention_point import AttentionInputs, AttentionPoint
 from benchmarking.attention_reference import Reference, errors
@@ -148,6 +149,23 @@ def _graph_times(attend: Callable, inputs: AttentionInputs, device: torch.device
     return row, note
 
 
+def kernel_columns(name: str, inputs: AttentionInputs, causal: bool, graph_timing: bool) -> dict[str, object]:
+    """fwd_kernel, bwd_kernel and kernel_reason of backends that choose between kernels (flash); empty otherwise.
+
+    With graph_timing, the reason also gives the choice for launches replayed from a CUDA graph where it differs.
+    """
+    if name != "flash":
+        return {}
+    q, k, v = inputs.q, inputs.k, inputs.v
+    choice = flash_kernels(q, k, v, causal, do=inputs.grad_out, replayed=False)
+    reason = str(choice)
+    if graph_timing:
+        replayed = flash_kernels(q, k, v, causal, do=inputs.grad_out, replayed=True)
+        if (replayed.forward, replayed.backward) != (choice.forward, choice.backward):
+            reason += f" | replayed from a CUDA graph: {replayed}"
+    return {"fwd_kernel": choice.forward, "bwd_kernel": choice.backward, "kernel_reason": reason}
+
+
 def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, ref: Optional[Reference],
                     device: torch.device | str, *, iters: int, warmup: int, time_passes: bool = True,
                     graph_timing: bool = False) -> Measurement:
@@ -175,6 +193,7 @@ def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, r
 
     measured = _memory_and_correctness(attend, inputs, point, ref, device, train)
     row: dict[str, object] = {"status": "ok", "note": None if train else f"forward only: {reason}"}
+    row.update(kernel_columns(name, inputs, point.causal, graph_timing and train))
     row.update(measured.row)
     if time_passes:
         # Memory and errors above stay in the row if only the repeated timing calls run out of memory.

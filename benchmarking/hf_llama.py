@@ -48,3 +48,41 @@ class HFLlama(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.hf.model.embed_tokens.weight.numel() if non_embedding else n
+
+
+def llama_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Our TransformerLM's weights under LlamaForCausalLM's names, so both compute the same function.
+
+    Our RoPE rotates the pairs (2i, 2i+1) of a head, Llama's `rotate_half` the pairs (i, i + d_head/2), at the same
+    frequencies: the q and k rows of each head are reordered (even rows, then odd ones). q.k is unchanged by it.
+    """
+    cfg = model.cfg
+    d_head = cfg.d_head
+    within = torch.cat([torch.arange(0, d_head, 2), torch.arange(1, d_head, 2)])
+    rows = (torch.arange(cfg.n_heads)[:, None] * d_head + within).flatten().to(model.embed.weight.device)
+    state = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.final_norm.weight,
+             "lm_head.weight": model.lm_head.weight}
+    for i, block in enumerate(model.blocks):
+        q, k, v = block.attn.qkv.weight.chunk(3)
+        prefix = f"model.layers.{i}."
+        state.update({
+            prefix + "input_layernorm.weight": block.attn_norm.weight,
+            prefix + "self_attn.q_proj.weight": q[rows],
+            prefix + "self_attn.k_proj.weight": k[rows],
+            prefix + "self_attn.v_proj.weight": v,
+            prefix + "self_attn.o_proj.weight": block.attn.out.weight,
+            prefix + "post_attention_layernorm.weight": block.ffn_norm.weight,
+            prefix + "mlp.gate_proj.weight": block.ffn.w1.weight,
+            prefix + "mlp.up_proj.weight": block.ffn.w3.weight,
+            prefix + "mlp.down_proj.weight": block.ffn.w2.weight,
+        })
+    return {name: t.detach().clone() for name, t in state.items()}
+
+
+def llama_from(model: nn.Module) -> HFLlama:
+    """HFLlama with `model`'s weights, on its device and in its dtype (the peer of sampling benchmarks)."""
+    param = next(model.parameters())
+    with torch.device(param.device):
+        peer = HFLlama(model.cfg)
+    peer.hf.load_state_dict(llama_state_dict(model))
+    return peer.to(param.dtype).eval().requires_grad_(False)

@@ -14,8 +14,8 @@ class _LowPrecisionLinear(torch.autograd.Function):
 
     Autocast's linear returns dW in the low dtype, and autograd then casts it to the fp32 parameter: a rounding of
     dW to 8 mantissa bits (bf16) and a cast kernel per weight. Here the matmul writes fp32 (`torch.mm(out_dtype=)`,
-    CUDA): on the H100 the five Linears of a `large` block ran 4.9% less GPU time, with dW 600x closer to fp64
-    (tests/gpu/experiments/linear_fp32_weight_grad.py). Forward and dX are autocast's: the same low-dtype matmuls.
+    CUDA): on the H100 the five Linears of a `large` block ran 4.9% less GPU time, with dW 600x closer to fp64.
+    Forward and dX are autocast's: the same low-dtype matmuls.
     """
 
     @staticmethod
@@ -118,7 +118,7 @@ class RotaryEmbedding(nn.Module):
     The cos/sin tables are computed once, at construction, as non-persistent buffers (they follow the model's
     device and stay out of checkpoints). Compiled code then loads them: computing them inside the compiled block
     instead made Inductor evaluate pow and cos per element of q and k: 12 of the 76 GPU ms of a `large` training
-    step on the H100 went to those kernels (bench_model --profile, results/README.md).
+    step on the H100 went to those kernels (bench_model --profile).
     """
 
     def __init__(self, d_head: int, theta: float = 10_000.0, max_seq_len: int = 2048):
@@ -148,6 +148,11 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.cos[positions], self.sin[positions]
         # (seq, half) -> (seq, 1, ..., half): broadcast over the dims between seq and d_head.
         cos, sin = (t.view(seq, *[1] * (-seq_dim - 2), t.shape[-1]) for t in (cos, sin))
+        return self.rotate(x, cos, sin)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (..., d_head) rotated by angles whose cos and sin (..., d_head / 2) broadcast against it."""
         x1, x2 = einx.id("... (half two) -> two ... half", x.float(), two=2)
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos))
         return einx.id("two ... half -> ... (half two)", rotated).to(x.dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import einx
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from torch import nn
 
 from attention import get_attention
 from model.config import ModelConfig
+from model.kv_cache import KVCache, LayerCache
 from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -23,9 +26,11 @@ class CausalSelfAttention(nn.Module):
         self.rope = rope
         self.attend = get_attention(cfg.attn)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         # (batch, seq, 3 * d_model) -> three of (batch, seq, heads, d_head), views of the fused projection.
         q, k, v = einx.id("b s (three h d) -> three b s h d", self.qkv(x), three=3, h=self.n_heads)
+        if cache is not None:  # sampling: RoPE at the cached positions, and the backend's decode attention
+            return self.out(cache.attend(q, k, v, self.rope, self.attend))
         # q, k and v get storage of their own in (batch, seq, heads, d_head) order; the backend sees them as
         # (batch, heads, seq, d_head) views of it. Own storage: v saved for backward as a view would keep the whole
         # projection, q and k included, alive (0.7 GiB on `large` at b4 T1024). That order: attention outputs follow
@@ -47,8 +52,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model)
         self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.fp32_weight_grads)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -62,13 +67,16 @@ class TransformerLM(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.fp32_weight_grads)
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """ids: (batch, seq) int64 -> logits (batch, seq, vocab), or the mean loss on targets (batch, seq)."""
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        """ids: (batch, seq) int64 -> logits (batch, seq, vocab), or the mean loss on targets (batch, seq).
+
+        cache: sampling (model/generation.py); ids are then the tokens after those already in the cache."""
         if ids.shape[-1] > self.cfg.context_length:
             raise ValueError(f"sequence of {ids.shape[-1]} tokens exceeds context_length {self.cfg.context_length}")
         x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache.layer(i))
         if targets is not None:
             return self.loss_from_hidden(x, targets)
         return self.lm_head(self.final_norm(x))

@@ -83,34 +83,37 @@ def start_ranks(target: Callable, args: tuple, log_dir: Path, world_size: int = 
     return results
 
 
-def _train_main(rank: int, argv: list[str], log_dir: str, interrupt: Optional[tuple[int, int]],
+def _train_main(rank: int, argv: list[str], log_dir: str, interrupt: Optional[tuple[int, ...]],
                 die: Optional[tuple[int, int]], stall: Optional[tuple[int, int]]) -> int:
     import train
+    from training.step import TrainingStep
 
-    real_loss, calls = train.lm_loss, {"n": 0}
+    real_loss, calls = TrainingStep.loss, {"n": 0}
 
     def loss_with_events(*a):
         calls["n"] += 1
-        if calls["n"] == 1:  # what this rank trains on at its first step: (per-rank batch, seq) inputs
+        if calls["n"] == 1:  # what this rank trains on at its first step: a = (step, ids of (per-rank batch, seq), ...)
             torch.save(a[1], Path(log_dir) / f"rank{rank}.first_inputs.pt")
-        if interrupt == (rank, calls["n"]):
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaching this rank alone, during its n-th loss
+        if interrupt is not None and interrupt[:2] == (rank, calls["n"]):
+            # Ctrl-C (or the signal named third) reaching this rank alone, during its n-th loss
+            os.kill(os.getpid(), interrupt[2] if len(interrupt) > 2 else signal.SIGINT)
         if die == (rank, calls["n"]):
             os._exit(17)  # a crashed rank: no clean-up, no goodbye to the others
         if stall == (rank, calls["n"]):
             time.sleep(3600)  # a stuck rank: alive, but never reaching the next collective
         return real_loss(*a)
 
-    train.lm_loss = loss_with_events
+    TrainingStep.loss = loss_with_events
     return train.main(argv)
 
 
-def run_ranks(argv: list[str], log_dir: Path, world_size: int = 2, interrupt: Optional[tuple[int, int]] = None,
+def run_ranks(argv: list[str], log_dir: Path, world_size: int = 2, interrupt: Optional[tuple[int, ...]] = None,
               die: Optional[tuple[int, int]] = None, stall: Optional[tuple[int, int]] = None,
               timeout_s: float = 120, grace_s: float = 10) -> list[RankResult]:
     """train.main(argv) on `world_size` ranks, as `torchrun --nproc-per-node world_size train.py argv` would.
 
-    interrupt / die / stall = (rank, n): Ctrl-C to / crash of / hang of that rank during its n-th loss computation.
+    interrupt / die / stall = (rank, n): Ctrl-C to / crash of / hang of that rank during its n-th loss computation;
+    interrupt = (rank, n, signum) sends that signal instead of SIGINT.
     Each rank's inputs at its first step are saved to `log_dir/rank<r>.first_inputs.pt`.
     """
     return start_ranks(_train_main, (argv, str(log_dir), interrupt, die, stall), log_dir, world_size, timeout_s,

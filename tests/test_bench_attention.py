@@ -70,6 +70,19 @@ def test_ok_rows_have_times_tflops_and_small_errors(sweep):
         "saved_tensors_mib"]
 
 
+def test_flash_rows_and_report_say_which_kernels_ran(sweep):
+    result, out = sweep
+    if "flash" not in sweep_backends():
+        pytest.skip("flash cannot run here")
+    for r in result.rows:
+        if r["backend"] == "flash":
+            assert r["fwd_kernel"] in ("triton", "hopper") and r["bwd_kernel"] in ("triton", "hopper")
+            assert r["kernel_reason"].startswith(f"forward {r['fwd_kernel']}: ")
+        else:
+            assert r["fwd_kernel"] is None and r["kernel_reason"] is None
+    assert "## Kernels flash ran (Triton or Hopper), and why" in (out / "results.md").read_text()
+
+
 def test_baseline_ratio(sweep):
     result, _ = sweep
     for r in result.rows:

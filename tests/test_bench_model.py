@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import bench_model
+from benchmarking import model_report
 from benchmarking.oom import INJECT_OOM_ENV
 from model import ModelConfig, TransformerLM
 from profiling import nvtx
@@ -36,7 +37,7 @@ def test_every_mode_and_context_gets_a_row_with_positive_figures(sweep):
     for r in rows:
         assert r["status"] == "ok" and r["size"] == "custom"
         assert r["params"] == TINY_PARAMS
-        for phase in bench_model.PHASES:
+        for phase in model_report.PHASES:
             mean, std = r[f"{phase}_ms_mean"], r[f"{phase}_ms_std"]
             if phase in PHASES_OF[r["mode"]]:
                 assert mean > 0 and std >= 0

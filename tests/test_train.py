@@ -12,6 +12,7 @@ import torch
 import train
 from tests.training.wandb_offline import history_and_summary
 from training import checkpoint
+from training.step import TrainingStep
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "32",
         "--batch-size", "4", "--device", "cpu", "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4"]
@@ -42,7 +43,7 @@ def test_loss_falls(tmp_path, text_file):
     for key in ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu"):
         assert key in rows[-1]
     assert rows[-1]["mfu"] is None  # no made-up MFU on the CPU
-    assert checkpoint.load(out / "checkpoint.pt")["step"] == 80
+    assert checkpoint.load(out / "checkpoint-80.pt")["step"] == 80
 
 
 def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, monkeypatch):
@@ -50,7 +51,7 @@ def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, mo
     code, straight, _ = run(tmp_path, text_file, *args, name="straight")
     assert code == 0 and [r["step"] for r in straight] == list(range(1, 17))
 
-    real_loss, calls = train.lm_loss, {"n": 0}
+    real_loss, calls = TrainingStep.loss, {"n": 0}
 
     def loss_then_interrupt(*a):
         calls["n"] += 1
@@ -58,11 +59,11 @@ def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, mo
             os.kill(os.getpid(), signal.SIGINT)
         return real_loss(*a)
 
-    monkeypatch.setattr(train, "lm_loss", loss_then_interrupt)
+    monkeypatch.setattr(TrainingStep, "loss", loss_then_interrupt)
     code, _, out = run(tmp_path, text_file, *args, name="resumed")
     assert code == 130
-    assert checkpoint.load(out / "checkpoint.pt")["step"] == 7
-    monkeypatch.setattr(train, "lm_loss", real_loss)
+    assert checkpoint.load(out / "checkpoint-7.pt")["step"] == 7
+    monkeypatch.setattr(TrainingStep, "loss", real_loss)
 
     code, resumed, _ = run(tmp_path, text_file, *args, "--resume", name="resumed")
     assert code == 0 and [r["step"] for r in resumed] == list(range(1, 17))
@@ -70,18 +71,18 @@ def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, mo
 
 
 def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, text_file, monkeypatch, capsys):
-    real_loss, calls = train.lm_loss, {"n": 0}
+    real_loss, calls = TrainingStep.loss, {"n": 0}
 
     def nan_at_step_7(*a):
         calls["n"] += 1
         loss = real_loss(*a)
         return loss * float("nan") if calls["n"] >= 7 else loss
 
-    monkeypatch.setattr(train, "lm_loss", nan_at_step_7)
+    monkeypatch.setattr(TrainingStep, "loss", nan_at_step_7)
     code, _, out = run(tmp_path, text_file, "--steps", "20", "--ckpt-every", "5", "--log-every", "4")
     assert code == 1
     assert "loss became nan at step 8" in capsys.readouterr().err
-    assert checkpoint.load(out / "checkpoint.pt")["step"] == 5
+    assert checkpoint.load(out / "checkpoint-5.pt")["step"] == 5
 
 
 def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
@@ -146,13 +147,13 @@ def test_resume_takes_an_older_checkpoint_and_another_weight_grad_mode(tmp_path,
     # may also pick the other one.
     code, _, out = run(tmp_path, text_file, "--steps", "2")
     assert code == 0
-    state = checkpoint.load(out / "checkpoint.pt")
+    state = checkpoint.load(out / "checkpoint-2.pt")
     del state["model_config"]["fp32_weight_grads"]
-    checkpoint.save_atomic(state, out / "checkpoint.pt")
+    checkpoint.save_atomic(state, out / "checkpoint-2.pt")
     argv = [*TINY, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume", "--steps", "3",
             "--weight-grads", "autocast"]
     assert train.main(argv) == 0
-    assert checkpoint.load(out / "checkpoint.pt")["step"] == 3
+    assert checkpoint.load(out / "checkpoint-3.pt")["step"] == 3
 
 
 @pytest.mark.parametrize("scope, compiled, graphs", [("blocks", 2 + 1, 2 * 2), ("model", 1, 1 * 2)],

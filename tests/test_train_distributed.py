@@ -18,6 +18,7 @@ from model import ModelConfig, TransformerLM
 from tests.ranks import run_ranks
 from training import checkpoint, consolidate, sharded_checkpoint
 from training.data import batch_at, load_corpus, split_train_val
+from training.step import TrainingStep
 
 STEPS = 8
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "16",
@@ -84,7 +85,7 @@ def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs")
     assert_ranks_exited(results, 0, 0)
     assert_same_training(rows(out), rows(one_process))
-    ddp, ref = checkpoint.load(out / "checkpoint.pt"), checkpoint.load(one_process / "checkpoint.pt")
+    ddp, ref = checkpoint.load(out / f"checkpoint-{STEPS}.pt"), checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")
     assert ddp["step"] == STEPS
     assert_same_weights(ddp["model"], ref["model"])
     # Each rank trains on its own half of the global batch.
@@ -118,7 +119,7 @@ def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_p
     assert f"step {STEPS}" in capsys.readouterr().out
     full = checkpoint.load(tmp_path / "full.pt")
     assert "optimizer" not in full
-    ref = checkpoint.load(one_process / "checkpoint.pt")
+    ref = checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")
     assert_same_weights(full["model"], ref["model"])
     model = TransformerLM(ModelConfig(**full["model_config"]))
     model.load_state_dict(full["model"])  # strict: the documented keys, nothing missing or extra
@@ -126,7 +127,7 @@ def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_p
 
 def test_checkpoints_move_between_one_process_and_ddp(tmp_path, text_file, one_process, monkeypatch):
     out = tmp_path / "run"
-    real_loss, calls = train.lm_loss, {"n": 0}
+    real_loss, calls = TrainingStep.loss, {"n": 0}
 
     def interrupt_at_step_3(*a):
         calls["n"] += 1
@@ -134,21 +135,32 @@ def test_checkpoints_move_between_one_process_and_ddp(tmp_path, text_file, one_p
             os.kill(os.getpid(), signal.SIGINT)
         return real_loss(*a)
 
-    monkeypatch.setattr(train, "lm_loss", interrupt_at_step_3)
+    monkeypatch.setattr(TrainingStep, "loss", interrupt_at_step_3)
     assert train.main(argv(text_file, out)) == 130
-    monkeypatch.setattr(train, "lm_loss", real_loss)
-    assert checkpoint.load(out / "checkpoint.pt")["step"] == 3
+    monkeypatch.setattr(TrainingStep, "loss", real_loss)
+    assert checkpoint.load(out / "checkpoint-3.pt")["step"] == 3
 
     # One process -> DDP: resume, then Ctrl-C on rank 1 alone during step 6; both ranks stop there and save.
     results = run_ranks(argv(text_file, out, "--parallel", "ddp", "--resume"), tmp_path / "logs", interrupt=(1, 3))
     assert_ranks_exited(results, 130, 130)
-    assert checkpoint.load(out / "checkpoint.pt")["step"] == 6
+    assert checkpoint.load(out / "checkpoint-6.pt")["step"] == 6
 
     # DDP -> one process: finish the run.
     assert train.main(argv(text_file, out, "--resume")) == 0
     assert_same_training(rows(out), rows(one_process))
-    assert_same_weights(checkpoint.load(out / "checkpoint.pt")["model"],
-                        checkpoint.load(one_process / "checkpoint.pt")["model"])
+    assert_same_weights(checkpoint.load(out / f"checkpoint-{STEPS}.pt")["model"],
+                        checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")["model"])
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, text_file):
+    # A scheduler's SIGTERM reaching rank 1 alone (torchrun would forward it to both) during step 4: both ranks
+    # finish the step, save one checkpoint of it, and exit with SIGTERM's status.
+    out = tmp_path / "run"
+    results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs", interrupt=(1, 4, signal.SIGTERM))
+    assert_ranks_exited(results, 143, 143)
+    assert checkpoint.load(out / "checkpoint-4.pt")["step"] == 4
+    assert f"stopped at step 4; resume with --resume --out {out}" in results[0].stderr
+    assert results[1].stderr == ""  # rank 0 alone speaks
 
 
 def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run, one_process, capsys):
@@ -176,8 +188,8 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run,
     # The consolidated step-5 checkpoint, with its optimizer state, carries on in one process.
     assert train.main(argv(text_file, single, "--resume")) == 0
     assert_same_training(rows(single), rows(one_process))
-    assert_same_weights(checkpoint.load(single / checkpoint.CHECKPOINT_NAME)["model"],
-                        checkpoint.load(one_process / checkpoint.CHECKPOINT_NAME)["model"])
+    assert_same_weights(checkpoint.load(single / f"checkpoint-{STEPS}.pt")["model"],
+                        checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")["model"])
 
 
 def test_a_stalled_rank_becomes_an_error_after_the_timeout(tmp_path, text_file):
@@ -204,7 +216,8 @@ def test_torchrun_launches_train_py(tmp_path, text_file, one_process):
          ["--parallel", "ddp"], r"--batch-size 4 \(the global batch\) is not divisible by the world size 3"),
         ({}, ["--parallel", "fsdp"], r"needs the process variables torchrun sets \(RANK, WORLD_SIZE, LOCAL_RANK, "
                                      r"MASTER_ADDR, MASTER_PORT missing\); launch with `torchrun --nproc-per-node N"),
-        ({}, ["--resume"], r"no checkpoint to resume from at .*checkpoint.pt"),
+        ({}, ["--resume"], r"no checkpoint to resume from in .*run \(looked for checkpoint-<step>.pt and "
+                           r"checkpoint.pt\)"),
     ],
 )
 def test_launch_errors_name_the_problem(tmp_path, text_file, monkeypatch, capsys, env, extra, message):

@@ -1,14 +1,18 @@
-"""Atomic checkpoints: written to a temporary file in the same directory, flushed, then renamed."""
+"""Atomic checkpoint files (a temporary file in the same directory, fsynced, then renamed) and RNG states.
+
+The checkpoints of a run, kept and chosen by step, are training.checkpoint_files'.
+"""
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from training.files import write_atomic
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -31,16 +35,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_atomic(obj: Any, path: Path) -> None:
     """torch.save to `path` so that a crash at any moment leaves either the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

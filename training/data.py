@@ -7,13 +7,17 @@ number: resuming at step s draws exactly the batches an uninterrupted run would 
 from __future__ import annotations
 
 import hashlib
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
+
+from training.files import write_atomic
+from training.input_checks import InputError, check_bin_size, check_text, check_token_ids, text_problem
 
 BYTE_VOCAB = 256
 TEXT_SUFFIX_SKIP = {".pyc", ".so", ".o", ".a", ".zip", ".gz", ".png", ".jpg", ".bin", ".npy", ".pt"}
@@ -43,39 +47,77 @@ def _stdlib_sources() -> list[Path]:
     return [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.relative_to(root).parts]
 
 
-def _bytes_of(files: list[Path]) -> bytes:
-    chunks = []
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _stdlib_bytes(files: list[Path]) -> tuple[bytes, list[str]]:
+    """The default corpus: the standard library's sources; the odd binary one is left out without a word."""
+    return b"\n".join(data for data in (f.read_bytes() for f in files) if b"\0" not in data), []
+
+
+def _file_bytes(path: Path) -> tuple[bytes, list[str]]:
+    """A text file given as --data: UTF-8, or an error that says what it is instead."""
+    data = path.read_bytes()
+    check_text(path, data)
+    return data, []
+
+
+def _directory_bytes(root: Path, files: list[Path]) -> tuple[bytes, list[str]]:
+    """The UTF-8 text files under `root`, joined by newlines, and a warning for each file left out."""
+    chunks, warnings = [], []
     for f in files:
         data = f.read_bytes()
-        if b"\0" in data:  # binary, not text
-            continue
-        chunks.append(data)
-    return b"\n".join(chunks)
+        problem = text_problem(data)
+        if problem is None:
+            chunks.append(data)
+        elif data:  # an empty file adds nothing: no need to say so
+            warnings.append(f"warning: --data {root}: skipping {f}, which {problem}")
+    if not chunks:
+        raise InputError(f"--data {root} holds no UTF-8 text file ({len(files)} skipped)")
+    return b"\n".join(chunks), warnings
 
 
-def _cached_bytes(files: list[Path], cache_dir: Path, label: str) -> np.ndarray:
-    """Byte-level tokens of `files`, cached as uint16 .bin keyed by the files' names, sizes and mtimes."""
+def _cached_bytes(files: list[Path], cache_dir: Path, label: str,
+                  read: Callable[[list[Path]], tuple[bytes, list[str]]],
+                  warn: Callable[[str], None] = _stderr) -> np.ndarray:
+    """Byte-level tokens of `files`, cached as uint16 .bin keyed by the files' names, sizes and mtimes.
+
+    `read` returns the bytes and a warning per file it left out; the warnings are kept next to the cache (`.skipped`)
+    and repeated whenever the cache is used. Runs that build the same cache at once each write their own temporary
+    file and rename it into place: each reads a complete cache, whichever rename came last.
+    """
     key = hashlib.sha1()
     for f in files:
         st = f.stat()
         key.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     path = cache_dir / f"{label}-{key.hexdigest()[:12]}.bin"
+    skipped = path.with_suffix(".skipped")
     if not path.exists():
-        tokens = np.frombuffer(_bytes_of(files), dtype=np.uint8).astype(np.uint16)
+        data, warnings = read(files)
+        tokens = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tokens.tofile(tmp)
-        tmp.replace(path)  # atomic: a crash never leaves a half-written cache
+        if warnings:
+            write_atomic(skipped, lambda f: f.write("".join(w + "\n" for w in warnings).encode()))
+        write_atomic(path, lambda f: tokens.tofile(f))  # after the warnings: a cache is never without them
+    if skipped.exists():
+        for line in skipped.read_text().splitlines():
+            warn(line)
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def load_corpus(spec: Optional[str], cache_dir: Path, synthetic_vocab: int = 10_000, seed: int = 0) -> Corpus:
-    """Resolve --data: None (stdlib sources), 'synthetic', a .bin/.npy token file, a text file or a directory."""
+def load_corpus(spec: Optional[str], cache_dir: Path, synthetic_vocab: int = 10_000, seed: int = 0,
+                warn: Callable[[str], None] = _stderr) -> Corpus:
+    """Resolve --data: None (stdlib sources), 'synthetic', a .bin/.npy token file, a text file or a directory.
+
+    A file that cannot be trained on raises InputError naming it (text that is not UTF-8, a .bin file of an odd
+    size); a directory's files that are not UTF-8 text are left out with a warning (`warn`) each.
+    """
     if spec is None:
         files = _stdlib_sources()
         if not files:
             raise FileNotFoundError(f"no Python sources found under the standard library at {stdlib_dir()}")
-        return Corpus(_cached_bytes(files, cache_dir, "stdlib"), BYTE_VOCAB,
+        return Corpus(_cached_bytes(files, cache_dir, "stdlib", _stdlib_bytes, warn), BYTE_VOCAB,
                       f"Python {sysconfig.get_python_version()} standard library sources ({len(files)} files, bytes)")
     if spec == "synthetic":
         # Random tokens: no structure to learn, for throughput runs only.
@@ -89,24 +131,24 @@ def load_corpus(spec: Optional[str], cache_dir: Path, synthetic_vocab: int = 10_
         files = _text_files(path)
         if not files:
             raise FileNotFoundError(f"--data directory {path} holds no text files")
-        return Corpus(_cached_bytes(files, cache_dir, path.name or "data"), BYTE_VOCAB,
+        return Corpus(_cached_bytes(files, cache_dir, path.name or "data", lambda fs: _directory_bytes(path, fs), warn),
+                      BYTE_VOCAB,
                       f"text files under {path} ({len(files)} files, bytes)")
     if path.suffix == ".bin":
+        check_bin_size(path)
         return Corpus(np.memmap(path, dtype=np.uint16, mode="r"), None, f"uint16 token file {path}")
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"{path} must hold a 1-d integer token array, got shape {tokens.shape}, {tokens.dtype}")
         return Corpus(tokens, None, f"token array {path}")
-    return Corpus(_cached_bytes([path], cache_dir, path.stem), BYTE_VOCAB, f"text file {path} (bytes)")
+    return Corpus(_cached_bytes([path], cache_dir, path.stem, lambda fs: _file_bytes(path), warn), BYTE_VOCAB,
+                  f"text file {path} (bytes)")
 
 
-def check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
-    """Every token id must index the embedding."""
-    top = int(tokens.max())
-    if top >= vocab_size:
-        raise ValueError(f"the data holds token id {top}, but the model's vocabulary is {vocab_size}; "
-                         f"pass --vocab-size {top + 1} or more")
+def check_vocab(tokens: np.ndarray, vocab_size: int, source: str = "the data") -> None:
+    """Every token id must index the embedding: 0 <= id < vocab_size (InputError naming `source` otherwise)."""
+    check_token_ids(tokens, vocab_size, source)
 
 
 def split_train_val(tokens: np.ndarray, context_length: int, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:

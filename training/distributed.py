@@ -123,7 +123,7 @@ def shutdown(ctx: DistContext) -> None:
 
 
 @contextmanager
-def session(parallel: str, device_arg: str, global_batch: int, timeout_s: float,
+def process_group(parallel: str, device_arg: str, global_batch: int, timeout_s: float,
             script: str = "train.py") -> Iterator[DistContext]:
     """init() ... shutdown(), the latter also when training raises."""
     ctx = init(parallel, device_arg, global_batch, timeout_s, script)

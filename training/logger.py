@@ -1,14 +1,13 @@
-"""Metrics sinks: one JSON object per log step in metrics.jsonl, and the same keys in Weights & Biases."""
+"""Metrics sinks: one JSON object per log step in metrics.jsonl (training.metrics_file), the same keys in W&B."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Optional
 
-METRICS_FILE = "metrics.jsonl"
+from training.metrics_file import METRICS_FILE, MetricsFile
 
 
 def _jsonable(v: Any) -> Any:
@@ -29,7 +28,7 @@ class MetricsLogger:
             raise ValueError(f"wandb mode must be offline, online or disabled, got {wandb_mode!r}")
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / METRICS_FILE
-        self._file = open(self.path, "a" if append else "w")
+        self._file = MetricsFile(self.path, append=append)
         self.wandb_run = None
         if wandb_mode != "disabled":
             import wandb
@@ -39,11 +38,15 @@ class MetricsLogger:
                                         name=run_name, reinit="finish_previous")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Raises training.metrics_file.MetricsError, naming the file, when the row cannot be written."""
         row = {"step": step, **metrics}
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
-        self._file.flush()
+        self._file.write({k: _jsonable(v) for k, v in row.items()})
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def sync(self) -> None:
+        """Make the rows logged so far durable (before a checkpoint that covers them)."""
+        self._file.sync()
 
     def summary(self, figures: dict[str, Any]) -> None:
         if self.wandb_run is not None:
@@ -62,6 +65,9 @@ class NullLogger:
     """The logger of ranks other than 0 in a multi-process run: rank 0 alone writes metrics.jsonl and W&B."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def sync(self) -> None:
         pass
 
     def summary(self, figures: dict[str, Any]) -> None:

@@ -2,14 +2,14 @@
 
 A training step's optimizer is memory-bound (fused AdamW moves 28 bytes per fp32 parameter) and, run after the
 backward, it adds its whole time to the step: 10 of the 65 GPU ms of a `large` step on the H100, 36 of the 115 of
-a 2.7B one (`tests/gpu/kernel_categories.py` on `bench_model.py --profile`). But a parameter's gradient is final as
+a 2.7B one (`scripts/kernel_categories.py` on `bench_model.py --profile`). But a parameter's gradient is final as
 soon as autograd has accumulated it, and nothing later in the backward reads that parameter. So, as in PyTorch's
 optimizer-in-backward recipe (`Tensor.register_post_accumulate_grad_hook`, one optimizer per group of
 parameters), each partition (by default a single parameter; `step_partitions`) gets its own `torch.optim.AdamW` and
 steps as soon as its last gradient is accumulated. Here the step runs on a side stream, so it shares the GPU with the rest of the backward (the tails of its matmuls, its elementwise kernels) instead of
 following it; `step()` then makes the caller's stream wait for the side stream and steps whatever has not stepped.
 On the H100 that took 2.0 ms off a graphed `large` step (67.19 -> 65.16 ms) and 4.2 ms off a 2.7B one; `small`, with
-1.4 ms of AdamW, got 0.3 ms slower (results/README.md, tenth session).
+1.4 ms of AdamW, got 0.3 ms slower.
 
 Each parameter is updated by the same fused kernel with the same inputs as with one optimizer over all of them:
 the result is bitwise the same (tests/training/test_overlapped_optimizer.py). What it cannot do, and refuses:
@@ -29,21 +29,11 @@ import torch
 from torch import nn
 
 
-def step_partitions(model: nn.Module, per_block: bool = False) -> list[list[nn.Parameter]]:
-    """The model's trainable parameters, each in a partition of its own (it steps as soon as its gradient is
-    accumulated), or with per_block one partition per block (the children of a top-level ModuleList) and per other
-    top-level child, the model's own parameters last.
-
-    Measured on the H100 (graphed, compiled `large` and 2.7B steps, results/README.md, tenth session): a partition
-    per parameter hid 1.7 and 4.8 ms of AdamW, one per block 1.0 and 4.0 ms."""
-    parts: list[list[nn.Parameter]] = []
-    for child in model.children():
-        for module in (child if isinstance(child, nn.ModuleList) else [child]):
-            parts.append([p for p in module.parameters() if p.requires_grad])
-    parts.append([p for p in model.parameters(recurse=False) if p.requires_grad])
-    if not per_block:
-        return [[p] for part in parts for p in part]
-    return [part for part in parts if part]
+def step_partitions(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The model's trainable parameters, each in a partition of its own: it steps as soon as its gradient is
+    accumulated. Measured on the H100 (graphed, compiled `large` and 2.7B steps), a partition per parameter hid 1.7
+    and 4.8 ms of AdamW, one partition per block only 1.0 and 4.0 ms."""
+    return [[p] for p in model.parameters() if p.requires_grad]
 
 
 def _on_grad(optimizer: weakref.ref, i: int, param: nn.Parameter) -> None:

@@ -1,8 +1,8 @@
 """Shared pieces of the flash tests: the interpreter switch, the float64 reference and the shape cases.
 
 Without a GPU the Triton kernels run in the CPU interpreter, which must be switched on before the
-kernels load (flash_triton imports them on first use, so setting it here, at conftest import, is early
-enough even if `attention` itself was imported already).
+kernels load (attention/flash/triton.py imports them on first use, so setting it here, at conftest import, is
+early enough even if `attention` itself was imported already). tests/conftest.py sets it first.
 """
 
 from __future__ import annotations
@@ -143,7 +143,53 @@ def check_against_reference(impl: Callable, case: FlashCase, dtype: torch.dtype,
     assert not bad, f"relative error above {tol}: {bad}"
 
 
+def check_every_element_written(function: type[torch.autograd.Function], causal: bool, n_q: int, n_k: int) -> None:
+    """`function.apply` forward and backward with every output starting as NaN: o, L, dq, dk and dv must have no NaN
+    left, so the kernels wrote every element."""
+    from attention.flash.common import empty, nan_filled_outputs
+
+    q = randn(1, 2, n_q, 80, seed=0).requires_grad_()
+    k, v = (randn(1, 2, n_k, 80, seed=s).requires_grad_() for s in (1, 2))
+    with nan_filled_outputs():
+        assert empty((2,), torch.float32, DEVICE).isnan().all(), "outputs must start as NaN"
+        o = function.apply(q, k, v, causal)
+        (lse,) = [t for t in o.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
+        grads = torch.autograd.grad(o, (q, k, v), randn(*o.shape, seed=3))
+    for name, t in zip(("o", "L", "dq", "dk", "dv"), (o, lse, *grads)):
+        assert not t.isnan().any(), f"{name} has {int(t.isnan().sum())} elements the kernels never wrote"
+
+
+def check_saved_tensors_are_linear_in_seq(function: type[torch.autograd.Function]) -> None:
+    """`function.apply` saves only O(seq * d_head) tensors for backward, L (fp32) the one shaped q.shape[:-1]."""
+    lead, n, d = (1, 2), 257, 16  # n * n = 66049 > n * d = 4112: an O(seq^2) tensor would not fit the bound
+    q, k, v = (randn(*lead, n, d, seed=s).requires_grad_() for s in range(3))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = function.apply(q, k, v, True)
+    bound = math.prod(lead) * n * d
+    assert saved, "nothing was saved for backward"
+    for t in saved:
+        assert t.numel() <= bound, f"saved tensor of shape {tuple(t.shape)} exceeds O(seq * d_head)"
+    lse_like = [t for t in o.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
+    assert len(lse_like) == 1 and lse_like[0].dtype == torch.float32
+
+
 # Test modules cannot import from a conftest reliably, so the helpers travel as fixtures.
+
+
+@pytest.fixture(name="check_saved_tensors_are_linear_in_seq")
+def _check_saved_tensors_are_linear_in_seq() -> Callable[[type], None]:
+    return check_saved_tensors_are_linear_in_seq
+
+
+@pytest.fixture(name="check_every_element_written")
+def _check_every_element_written() -> Callable[[type, bool, int, int], None]:
+    return check_every_element_written
 
 
 @pytest.fixture

@@ -24,6 +24,15 @@ def test_measure_train_backend(backend):
     assert row["check"] == "ok" and row["rel_err"] < 1e-5
     assert row["saved_mib"] is None and row["saved_tensors_mib"] > 0  # CPU: no allocator figure
     assert m.saved and all(t.grad is None for t in inputs.leaves())
+    assert "fwd_kernel" not in row  # only flash chooses between kernels
+
+
+def test_flash_rows_say_which_kernels_ran_and_why():
+    p, inputs, ref = point_and_inputs(seq=40, d=16)
+    row = measure_backend("flash", p, inputs, ref, "cpu", iters=1, warmup=0).row
+    assert row["status"] == "ok" and (row["fwd_kernel"], row["bwd_kernel"]) == ("triton", "triton")
+    assert row["kernel_reason"] == ("forward triton: the Hopper kernels need CUDA tensors; "
+                                    "backward triton: the Hopper kernels need CUDA tensors")
 
 
 def test_wrong_kernel_fails_the_check(monkeypatch):

@@ -28,11 +28,14 @@ def test_model_is_causal():
 
 @pytest.mark.parametrize("attn", ["naive", "compiled", "flex"])
 def test_attention_backend_is_chosen_by_name(attn):
+    # Context 32, not TINY's 24: FlexAttention's compiled CPU kernel (torch 2.13) returned NaN at seq 24 with d_head
+    # 16 on an AMD EPYC CPU, and was right at seq 8, 32, 48, 64, 65 and 100: a PyTorch bug, not the registry's.
+    shape = {**TINY, "context_length": 32}
     torch.manual_seed(0)
-    ref = TransformerLM(ModelConfig(**TINY, attn="sdpa"))
-    other = TransformerLM(ModelConfig(**TINY, attn=attn))
+    ref = TransformerLM(ModelConfig(**shape, attn="sdpa"))
+    other = TransformerLM(ModelConfig(**shape, attn=attn))
     other.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 97, (2, 24))
+    ids = torch.randint(0, 97, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(other(ids), ref(ids), atol=1e-4, rtol=1e-4)
 

@@ -45,12 +45,12 @@ def _batches(n: int, device: str):
     return [tuple(torch.randint(256, (4, 32), generator=g).to(device) for _ in range(2)) for _ in range(n)]
 
 
-def test_partitions_are_the_parameters_or_the_blocks_and_the_other_children():
+def test_partitions_are_the_trainable_parameters_one_each():
     model = TransformerLM(CFG)
-    assert [[id(p) for p in part] for part in step_partitions(model)] == [[id(p)] for p in model.parameters()]
-    blocks = step_partitions(model, per_block=True)
-    assert [len(p) for p in blocks] == [1, 7, 7, 7, 1, 1]  # embedding, 3 blocks, final norm, LM head
-    assert [id(p) for p in blocks[1]] == [id(p) for p in model.blocks[0].parameters()]
+    model.embed.weight.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == len(list(model.parameters())) - 1
+    assert [[id(p) for p in part] for part in step_partitions(model)] == [[id(p)] for p in trainable]
 
 
 @pytest.mark.parametrize("device", ["cpu"] + ["cuda"] * CUDA)

@@ -1,0 +1,319 @@
+"""`flash`: FlashAttention-2 with a fused forward and backward, and O(seq) memory (docs/flash.md).
+
+Two sets of kernels compute it: Triton kernels that run every input (triton.py, triton_kernels.py), and Gluon
+kernels for Hopper GPUs that run the inputs they support faster (hopper.py, hopper_kernels.py). `choose_kernels`
+decides between them, for the forward and the backward, and says why; the launches ask it, so what it says is what
+runs. `use_kernels("triton")` forces the Triton kernels. `flash-torch` (reference.py) is the readable specification.
+
+    from attention.flash import FlashAttentionTriton, FlashAttentionTorch, choose_kernels, use_kernels
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from attention.flash import hopper, triton
+from attention.flash.common import as_bhsd, attention_function, default_scale, empty_like
+from attention.flash.triton import Tiles
+from attention.registry import (UnsupportedInputError, graph_replay_requested, launches_replayed, register,
+                                validate_qkv)
+
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_GRID_Y = 65535  # batch * heads goes on CUDA grid axis 1
+KERNELS = ("auto", "triton")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which kernels run
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels flash runs for one input: "hopper" or "triton" for each pass, and why."""
+
+    forward: str
+    backward: str
+    forward_reason: str
+    backward_reason: str
+
+    def __str__(self) -> str:
+        return f"forward {self.forward_reason}; backward {self.backward_reason}"
+
+
+# Process-wide, not per thread, as graph_replay(): autograd runs the backward on a thread of its own.
+_kernels = "auto"
+
+
+@contextlib.contextmanager
+def use_kernels(kernels: str) -> Iterator[None]:
+    """Inside: flash runs `kernels`. "triton" keeps the Triton kernels where the Hopper ones would run (to compare
+    them, or to rule them out); "auto" (the default) lets choose_kernels pick. Wrap the backward too: it asks again.
+    Compiled code reads the setting while it is traced and recompiles when it changes."""
+    global _kernels
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    saved, _kernels = _kernels, kernels
+    try:
+        yield
+    finally:
+        _kernels = saved
+
+
+def kernels_in_use() -> str:
+    """The use_kernels() setting in effect: "auto" or "triton"."""
+    return _kernels
+
+
+def _forward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, replayed: bool,
+                     kernels: str, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """None when the Hopper forward runs these (batch, heads, seq, d) inputs, else why the Triton one does."""
+    if kernels == "triton":
+        return "use_kernels('triton') is in effect"
+    return hopper.forward_problem(q4, k4, v4, causal, replayed, capability)
+
+
+def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, causal: bool,
+                      replayed: bool, kernels: str, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """None when the Hopper backward runs these inputs, else why the Triton one does."""
+    if kernels == "triton":
+        return "use_kernels('triton') is in effect"
+    return hopper.backward_problem(q4, k4, v4, do4, causal, replayed, capability)
+
+
+_SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bool, replayed: bool) -> str:
+    """"hopper: " and what qualified the input, or "triton: " and the problem."""
+    replay = "launches replayed from a CUDA graph"
+    if problem is not None:
+        return f"triton: {problem}" + (f" ({replay})" if replayed else "")
+    b, h, n, d = q4.shape
+    fewest = hopper.min_scores(d, pass_name, replayed)
+    bound = f"at least {hopper.power_of_two(fewest)}" if fewest else "any size"
+    scores = hopper.power_of_two(hopper.scores(b * h, n, causal))
+    return f"hopper: sm_90, {_SHORT_DTYPES[q4.dtype]}, d {d}, {scores} scores ({bound}" + (
+        f", {replay})" if replayed else ")")
+
+
+def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, *,
+                   do: Optional[torch.Tensor] = None, replayed: Optional[bool] = None, kernels: Optional[str] = None,
+                   capability: Optional[tuple[int, int]] = None) -> KernelChoice:
+    """The kernels flash runs for these inputs (shaped (..., seq, d_head)), forward and backward, with the reasons.
+
+    do: the backward's upstream gradient (default: one like q, which is what autograd passes for o). replayed:
+    whether the launches will be replayed from a CUDA graph (default: inside attention.graph_replay() or a capture).
+    kernels: "auto" or "triton" (default: the use_kernels() setting). capability: decide for a GPU of this
+    (major, minor), e.g. (9, 0), instead of q's device. Raises UnsupportedInputError when flash cannot run the input.
+    """
+    _check(q, k, v, causal, None)
+    q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
+    do4 = q4 if do is None else as_bhsd(do)
+    replayed = launches_replayed() if replayed is None else replayed
+    kernels = kernels_in_use() if kernels is None else kernels
+    forward = _forward_problem(q4, k4, v4, causal, replayed, kernels, capability)
+    backward = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability)
+    return KernelChoice("triton" if forward else "hopper", "triton" if backward else "hopper",
+                        _reason(forward, "forward", q4, causal, replayed),
+                        _reason(backward, "backward", q4, causal, replayed))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The passes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  tiles: Optional[Tiles] = None, traceable: bool = False, replayed: Optional[bool] = None,
+                  kernels: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) for validated inputs: o like q, lse fp32 of shape q.shape[:-1], by the kernels choose_kernels picks.
+
+    tiles: run the Triton forward with this config. traceable: inside a triton_op (the Triton launches go through
+    torch.library.wrap_triton, the Hopper one through its own operator). replayed, kernels: as in choose_kernels.
+    """
+    if tiles is None:
+        q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
+        replayed = launches_replayed() if replayed is None else replayed
+        kernels = kernels_in_use() if kernels is None else kernels
+        if _forward_problem(q4, k4, v4, causal, replayed, kernels) is None:
+            o4, lse4 = (hopper_forward_op if traceable else hopper.run_forward)(q4, k4, v4, causal, scale)
+            return o4.reshape(q.shape), lse4.reshape(q.shape[:-1])
+    return triton.forward(q, k, v, causal, scale, tiles, traceable)
+
+
+def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
+                   traceable: bool = False, replayed: Optional[bool] = None,
+                   kernels: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}): run the Triton
+    backward with these configs; the rest as in flash_forward."""
+    if not tiles:
+        q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
+        replayed = launches_replayed() if replayed is None else replayed
+        kernels = kernels_in_use() if kernels is None else kernels
+        if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels) is None:
+            lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
+            grads = (hopper_backward_op if traceable else hopper.run_backward)(q4, k4, v4, o4, lse, do4, causal,
+                                                                               scale)
+            return tuple(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v)))
+    return triton.backward(q, k, v, o, lse, do, causal, scale, tiles, traceable)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks and the backend
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _environment_problem() -> Optional[str]:
+    if not triton.installed():
+        return "triton is not installed (pip install triton)"
+    if triton.interpreting() or torch.cuda.is_available():
+        return None
+    return "needs a CUDA GPU, or TRITON_INTERPRET=1 for CPU tensors"
+
+
+def _input_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
+    d = q.shape[-1]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        return f"head dim {d} is not supported: flash needs {MIN_HEAD_DIM} <= d_head <= {MAX_HEAD_DIM}"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} is not supported: flash needs float16, bfloat16 or float32"
+    if q.device.type == "cpu" and not triton.interpreting():
+        return "CPU tensors need TRITON_INTERPRET=1 (set before the kernels load); otherwise pass CUDA tensors"
+    if q.device.type not in ("cpu", "cuda"):
+        return f"device {q.device.type} is not supported: flash needs CUDA (or CPU with TRITON_INTERPRET=1)"
+    if math.prod(q.shape[:-2]) > MAX_GRID_Y:
+        return f"the product of the leading dims is {math.prod(q.shape[:-2])}; flash supports at most {MAX_GRID_Y}"
+    return None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float]) -> float:
+    """Raise UnsupportedInputError before any launch; return the resolved scale."""
+    validate_qkv(q, k, v, causal)
+    reason = _environment_problem() or _input_problem(q, k, v, causal)
+    if reason is not None:
+        raise UnsupportedInputError(f"attention backend 'flash' cannot run this input: {reason}")
+    scale = default_scale(q, scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise UnsupportedInputError(f"flash needs a finite positive scale, got {scale}")
+    return scale
+
+
+FlashAttentionTriton = attention_function(
+    "FlashAttentionTriton", "`FlashAttentionTriton.apply(q, k, v, is_causal=False, scale=None)` on (..., seq, d_head).",
+    _check, lambda q, k, v, causal, scale: flash_forward(q, k, v, causal, scale),
+    lambda q, k, v, o, lse, do, causal, scale: flash_backward(q, k, v, o, lse, do, causal, scale))
+
+
+@register(
+    "flash",
+    description="FlashAttention-2 in Triton (fused forward and backward, O(seq) memory)",
+    environment_check=_environment_problem,
+    input_check=_input_problem,
+)
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # the check runs while tracing, not on every call of the compiled code
+        op = flash_opaque_op if triton.interpreting() else flash_op
+        # Read while tracing, so the compiled code guards on them; a capture in progress cannot be asked here.
+        return op(q, k, v, causal, _check(q, k, v, causal, scale), graph_replay_requested(), kernels_in_use())[0]
+    # Eager: the autograd.Function (it checks the inputs itself), whose host time per forward+backward measured
+    # 0.78 ms against the custom op's 1.18 ms on the H100 at B4 H20 N1024; short sequences are bound by host time.
+    return FlashAttentionTriton.apply(q, k, v, causal, scale)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library operators: what the registry's "flash" runs under torch.compile
+# ----------------------------------------------------------------------------------------------------------
+# Without them, Dynamo traces into the triton.autotune wrapper and its pruning hook, and Inductor fails to compile
+# them. On the GPU: triton_op, which lets the compiler see the Triton kernels inside. Inductor launches them from
+# its generated code with its own launcher, as it does its own kernels, and the backward joins the compiled backward
+# graph. An opaque custom op instead costs a Python dispatch and Triton's launcher per call: with it, a compiled
+# `small` model trained 30% slower with flash than with sdpa on the H100.
+# In the CPU interpreter: custom_op. The compiler cannot trace interpreted kernels (torch.library.wrap_triton hands
+# them back unwrapped), so it gets one opaque op with known output shapes.
+# The Hopper kernels are Gluon kernels launched by their own host code: inside a triton_op each pass is an opaque
+# operator of its own. All paths save the same tensors and run the same kernels.
+
+
+def _operator_pair(suffix: str, traceable: bool):
+    """The forward and backward operators flash_lm::flash_attn_{fwd,bwd}{suffix}, with autograd registered."""
+    define = torch.library.triton_op if traceable else torch.library.custom_op
+
+    @define(f"flash_lm::flash_attn_fwd{suffix}", mutates_args=())
+    def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, replayed: bool,
+                   kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse) of validated inputs: o like q (its memory order up to 4 dims), lse fp32 shaped q.shape[:-1]."""
+        return flash_forward(q, k, v, causal, scale, traceable=traceable, replayed=replayed, kernels=kernels)
+
+    @define(f"flash_lm::flash_attn_bwd{suffix}", mutates_args=())
+    def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                    do: torch.Tensor, causal: bool, scale: float, replayed: bool,
+                    kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv), each shaped like its input (and in its memory order up to 4 dims)."""
+        return flash_backward(q, k, v, o, lse, do, causal, scale, traceable=traceable, replayed=replayed,
+                              kernels=kernels)
+
+    if not traceable:  # a triton_op's output shapes come from tracing its body; a custom_op's from these
+        forward_op.register_fake(lambda q, k, v, causal, scale, replayed, kernels:
+                                 (empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)))
+        backward_op.register_fake(lambda q, k, v, o, lse, do, causal, scale, replayed, kernels:
+                                  (empty_like(q), empty_like(k), empty_like(v)))
+
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, causal, scale, replayed, kernels = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse)  # as FlashAttentionTriton: O(seq) memory, lse the only (..., seq)
+        ctx.causal, ctx.scale, ctx.replayed, ctx.kernels = causal, scale, replayed, kernels
+
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.replayed, ctx.kernels)
+        return dq, dk, dv, None, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    return forward_op, backward_op
+
+
+flash_op, flash_backward_op = _operator_pair("", traceable=True)
+flash_opaque_op, flash_backward_opaque_op = _operator_pair("_opaque", traceable=False)
+
+
+@torch.library.custom_op("flash_lm::flash_attn_fwd_hopper", mutates_args=())
+def hopper_forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of (batch, heads, seq, d) inputs that hopper.forward_problem accepted."""
+    return hopper.run_forward(q4, k4, v4, causal, scale)
+
+
+@hopper_forward_op.register_fake
+def _(q4, k4, v4, causal, scale):
+    return empty_like(q4), q4.new_empty(q4.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_lm::flash_attn_bwd_hopper", mutates_args=())
+def hopper_backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
+                       do4: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that hopper.backward_problem accepted."""
+    return hopper.run_backward(q4, k4, v4, o4, lse, do4, causal, scale)
+
+
+@hopper_backward_op.register_fake
+def _(q4, k4, v4, o4, lse, do4, causal, scale):
+    return empty_like(q4), empty_like(k4), empty_like(v4)
+
+
+# Registered after "flash", so list_attention() shows the kernel before its specification.
+from attention.flash.reference import FlashAttentionTorch  # noqa: E402
+from attention.flash import decode  # noqa: E402,F401  (the decode paths of flash and flash-torch)
+
+__all__ = ["FlashAttentionTorch", "FlashAttentionTriton", "KernelChoice", "Tiles", "choose_kernels",
+           "flash_backward", "flash_forward", "kernels_in_use", "use_kernels"]

@@ -1,0 +1,93 @@
+"""What both flash implementations share: output buffers, (batch, heads, seq, d) views, the autograd.Function."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator, Optional
+
+import torch
+
+# (q, k, v, causal, scale) -> the resolved scale, raising UnsupportedInputError for inputs that cannot run.
+Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, Optional[float]], float]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+_nan_filled = False
+
+
+@contextlib.contextmanager
+def nan_filled_outputs() -> Iterator[None]:
+    """Inside: outputs and gradients start filled with NaN instead of uninitialised memory.
+
+    A test hook: an element a kernel never writes then shows up as NaN, so tests can prove every element is written.
+    """
+    global _nan_filled
+    saved, _nan_filled = _nan_filled, True
+    try:
+        yield
+    finally:
+        _nan_filled = saved
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if _nan_filled:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An output shaped like t and, up to 4 dims, in t's memory order.
+
+    A (batch, heads, seq, d) view of (batch, seq, heads, d) storage gets an output in that order, so the caller's
+    "b h s d -> b s (h d)" is a view, as after cuDNN SDPA. Above 4 dims: contiguous, which as_bhsd can view.
+    """
+    if t.dim() > 4:
+        return empty(tuple(t.shape), t.dtype, t.device)
+    out = torch.empty_like(t)
+    return out.fill_(float("nan")) if _nan_filled else out
+
+
+def as_bhsd(t: torch.Tensor) -> torch.Tensor:
+    """(..., seq, d) -> (batch, heads, seq, d): a view unless the leading dims cannot merge (then a copy)."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[None]
+    if t.dim() == 4:
+        return t
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensor's."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def attention_function(name: str, doc: str, check: Check, forward: Forward,
+                       backward: Backward) -> type[torch.autograd.Function]:
+    """An autograd.Function `name.apply(q, k, v, is_causal=False, scale=None)` on (..., seq, d_head).
+
+    It saves q, k, v, o and the logsumexp L; L is the only saved tensor shaped q.shape[:-1] (the CS336 harness finds
+    it that way). backward(q, k, v, o, L, dO, causal, scale) -> (dq, dk, dv).
+    """
+
+    def forward_(ctx, q, k, v, is_causal=False, scale=None):
+        causal = bool(is_causal)
+        scale = check(q, k, v, causal, scale)
+        o, lse = forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    def backward_(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(forward_), "backward": staticmethod(backward_)})

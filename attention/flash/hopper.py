@@ -1,0 +1,381 @@
+"""Host side of flash's Hopper kernels (hopper_kernels.py): which inputs they take, their tiles, the launches.
+
+attention.flash.choose_kernels asks `forward_problem` and `backward_problem` and runs these kernels when the answer
+is None. Every other input keeps the Triton kernels: other GPUs, fp32, other head dims, sequences that are not whole
+tiles, problems small enough to be bound by host time (unless the launches are replayed from a CUDA graph), the CPU
+interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attention.flash.common import empty, empty_like, on_device_of
+from attention.flash.triton import delta as triton_delta
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
+SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
+MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
+# Scores are batch * heads * n^2, halved when causal. At 2^27 (B1 H16 N4096 causal) the kernel takes 0.12 ms, and
+# the Gluon launch's host time decides: 114-147 us per call against 72-95 us for the Triton kernel's on the H100.
+MIN_SCORES = 2**28
+# Launches replayed from a CUDA graph (attention.graph_replay, or a capture in progress) cost no host time per call,
+# so the GPU time alone decides. Graphed on the H100, the Hopper backward took 11-23% less time than the Triton one
+# at every size tried (B4 H20 N1024 up to B1 H16 N4096); the Hopper forward was faster from 2^27 scores at d 64
+# (B1 H16 N4096: 0.117 against 0.123 ms; at B2 H16 N2048, 2^26, 0.072 against 0.070) and at every size tried at
+# d 128.
+REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
+
+
+@dataclass(frozen=True)
+class HopperTiles:
+    """One program: `consumers` warpgroups of `block_m` resident rows; streamed tiles of `block_n` rows in `stages`
+    slots. The forward and dQ keep query rows and stream keys; dK/dV keeps key rows and streams queries."""
+
+    consumers: int
+    block_n: int
+    stages: int
+    block_m: int = 64  # one warpgroup's wgmma rows
+
+    @property
+    def rows(self) -> int:
+        return self.block_m * self.consumers
+
+    @property
+    def consumer_regs(self) -> int:
+        # 65536 registers per SM shared by the consumer warpgroups and the producer's (24 per thread).
+        return {2: 240, 3: 160}[self.consumers]
+
+
+def tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> HopperTiles:
+    """Three consumers (192 rows a program) when that still gives every SM four programs, else two.
+
+    Measured on the H100: three consumers ran the B1 H16 N16384 d 64 causal forward 8% faster than two, d 128
+    causal 9%, d 64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
+    were 16% faster in one run and 4% slower in the next, where host time bounds both; that size now stays below
+    MIN_SCORES.
+    """
+    block_n = 128 if d == 64 else 64
+    three = HopperTiles(consumers=3, block_n=block_n, stages=3)
+    if batch_heads * math.ceil(n / three.rows) >= 4 * sm_count:
+        return three
+    return HopperTiles(consumers=2, block_n=block_n, stages=3 if d == 64 else 4)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _gluon_problem() -> Optional[str]:
+    try:
+        from attention.flash import hopper_kernels  # noqa: F401
+    except Exception as e:  # an older triton has no Gluon, or a Gluon API these kernels were not written for
+        return f"triton's Gluon Hopper API is unavailable ({type(e).__name__}: {e})"
+    return None
+
+
+def rows_index(t: torch.Tensor) -> Optional[tuple[int, int, int, tuple[int, int]]]:
+    """(rows per batch, rows per head, columns per head, 2-D shape) of a (batch, heads, seq, d) tensor, or None.
+
+    Row b * rows_b + h * rows_h + position of the 2-D view, from column h * cols_h, holds t[b, h, position]. That
+    covers (batch, heads, seq, d) storage (one row per position of each head) and (batch, seq, heads, d) storage
+    (one row per position, the heads side by side), which is what the model hands over.
+    """
+    b, h, n, d = t.shape
+    sb, sh, sn, sd = t.stride()
+    if sd != 1:
+        return None
+
+    def stride_is(size: int, stride: int, want: int) -> bool:
+        return size == 1 or stride == want  # a size-1 dim's stride is arbitrary
+
+    if stride_is(h, sh, n * d) and stride_is(n, sn, d) and stride_is(b, sb, h * n * d):  # (batch, heads, seq, d)
+        return h * n, n, 0, (b * h * n, d)
+    if stride_is(h, sh, d) and stride_is(n, sn, h * d) and stride_is(b, sb, n * h * d):  # (batch, seq, heads, d)
+        return n, 0, d, (b * n, h * d)
+    return None
+
+
+def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
+    """(2-D view, rows per batch, rows per head, columns per head) of t, as rows_index describes it, or None."""
+    index = rows_index(t)
+    if index is None:
+        return None
+    rows_b, rows_h, cols_h, (rows, cols) = index
+    return torch.as_strided(t, (rows, cols), (cols, 1)), rows_b, rows_h, cols_h
+
+
+def min_scores(d: int, pass_name: str, replayed: bool) -> int:
+    """The fewest scores for which the Hopper kernels of `pass_name` ("forward" or "backward") run (see MIN_SCORES)."""
+    if not replayed:
+        return MIN_SCORES
+    return REPLAYED_FORWARD_MIN_SCORES.get(d, 0) if pass_name == "forward" else 0
+
+
+def scores(batch_heads: int, n: int, causal: bool) -> int:
+    """The attention scores a problem computes: batch * heads * n^2, halved when causal."""
+    return batch_heads * n * n // (2 if causal else 1)
+
+
+def device_capability(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(major, minor) of t's GPU, or None for a tensor that is not on one."""
+    return tuple(torch.cuda.get_device_capability(t.device)) if t.is_cuda else None
+
+
+def problem(pass_name: str, capability: Optional[tuple[int, int]], dtype: torch.dtype, batch_heads: int, n_q: int,
+            n_k: int, d: int, causal: bool, replayed: bool) -> Optional[str]:
+    """Why the Hopper kernels of `pass_name` cannot take a problem of this size and dtype on a GPU of `capability`
+    (None: the tensors are not on a GPU), or None when they can; memory layouts and Triton's Gluon aside.
+
+    replayed: the launches will be replayed from a CUDA graph, so host time does not count.
+    """
+    if capability is None:
+        return "the Hopper kernels need CUDA tensors"
+    if tuple(capability) != CAPABILITY:
+        return f"the Hopper kernels need an sm_90 (Hopper) GPU, this is sm_{capability[0]}{capability[1]}"
+    if dtype not in DTYPES:
+        return f"the Hopper kernels take float16 and bfloat16, not {dtype}"
+    if d not in HEAD_DIMS:
+        return f"the Hopper kernels take head dims {HEAD_DIMS}, not {d}"
+    if n_k != n_q:
+        return f"the Hopper kernels need as many keys as queries, got {n_k} and {n_q}"
+    if n_q % SEQ_MULTIPLE:
+        return f"the Hopper kernels need a sequence that is a multiple of {SEQ_MULTIPLE}, got {n_q}"
+    if batch_heads > MAX_PROGRAM_ROWS:
+        return f"the Hopper kernels run at most {MAX_PROGRAM_ROWS} (batch, head) pairs, got {batch_heads}"
+    if batch_heads * n_q >= 2**31:
+        return "the Hopper kernels' TMA coordinates are 32-bit: batch * heads * seq must be below 2^31"
+    count, fewest = scores(batch_heads, n_q, causal), min_scores(d, pass_name, replayed)
+    if count < fewest:
+        why = "the Triton forward takes less GPU time" if replayed else "host time outweighs the faster kernels"
+        return f"{power_of_two(count)} scores are too few for the Hopper kernels: below {power_of_two(fewest)} {why}"
+    return None
+
+
+def power_of_two(n: int) -> str:
+    """n as 2^k when it is one, else as a plain number."""
+    return f"2^{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)
+
+
+def _layout_problem(**tensors: torch.Tensor) -> Optional[str]:
+    for name, t in tensors.items():
+        if rows_index(t) is None:  # the index alone: the launch builds the views, once
+            return f"the Hopper kernels need {name} in (batch, heads, seq, d) or (batch, seq, heads, d) memory"
+    return None
+
+
+def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, replayed: bool = False,
+                    capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """Why the Hopper forward cannot run these (batch, heads, seq, d) inputs, or None when it can.
+
+    replayed: the launch will be replayed from a CUDA graph (attention.registry.launches_replayed), so host time
+    does not count. capability: decide for a GPU of this (major, minor) instead of q's device.
+    """
+    b, h, n, d = q.shape
+    capability = capability or device_capability(q)
+    return (problem("forward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed)
+            or _layout_problem(q=q, k=k, v=v) or _gluon_problem())
+
+
+def backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+                     replayed: bool = False, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """Why the Hopper dK/dV and dQ kernels cannot run these (batch, heads, seq, d) inputs, or None when they can."""
+    b, h, n, d = q.shape
+    capability = capability or device_capability(q)
+    if do.dtype != q.dtype:
+        return f"the Hopper kernels need dO in q's dtype, got dO {do.dtype} and q {q.dtype}"
+    return (problem("backward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed)
+            or _layout_problem(q=q, k=k, v=v, dO=do) or _gluon_problem())
+
+
+@functools.cache
+def _shared_layout(block_rows: int, d: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a block_rows x d tile (computing it costs ~7 us of host time per call)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([block_rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, block_rows: int):
+    """A TMA descriptor of t's 2-D view (rows_view) in blocks of block_rows x d, and the view's index."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    view, rows_b, rows_h, cols_h = rows_view(t)
+    d = t.shape[-1]
+    return TensorDescriptor.from_tensor(view, [block_rows, d], _shared_layout(block_rows, d, t.dtype)), \
+        (rows_b, rows_h, cols_h)
+
+
+def _row_stats_descriptor(stats: torch.Tensor, block: int):
+    """A 1-D TMA descriptor over a contiguous fp32 (batch * heads, seq) L or delta, in blocks of `block` rows."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if not stats.is_contiguous() or stats.dtype != torch.float32:
+        raise ValueError(f"L and delta must be contiguous float32, got {stats.dtype} with strides {stats.stride()}")
+    return TensorDescriptor.from_tensor(stats.view(-1), [block], _stats_layout())
+
+
+@functools.cache
+def _stats_layout():
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _output_descriptor(out: torch.Tensor, input_index: tuple[int, int, int], block_rows: int):
+    """A descriptor for an output, which must be in the memory order of the input whose view index is given."""
+    desc, index = _descriptor(out, block_rows)
+    if index != input_index:
+        raise ValueError("an output must be in its input's memory order")
+    return desc
+
+
+def _meta(t: HopperTiles, causal: bool) -> dict:
+    """The compile-time arguments every Hopper kernel takes; each consumer is one warpgroup of 4 warps."""
+    return dict(CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
+                CONSUMER_REGS=t.consumer_regs, num_warps=4)
+
+
+def _check_tiles(n: int, t: HopperTiles) -> None:
+    if n % t.block_m or n % t.block_n:
+        raise ValueError(f"sequence length {n} is not a multiple of the tiles {t.block_m} and {t.block_n}")
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+            scale: float, tiles: Optional[HopperTiles] = None) -> None:
+    """Write o (q's memory order) and lse ((batch * heads, seq) fp32, natural log) for accepted inputs."""
+    import triton
+
+    from attention.flash.hopper_kernels import attn_fwd_hopper
+
+    b, h, n, d = q.shape
+    t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0))
+    _check_tiles(n, t)
+    q_desc, q_index = _descriptor(q, t.block_m)
+    k_desc, k_index = _descriptor(k, t.block_n)
+    v_desc, v_index = _descriptor(v, t.block_n)
+    attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
+        q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m), lse, *q_index, *k_index, *v_index,
+        h, n, scale * math.log2(math.e),
+        **_meta(t, causal),
+    )
+
+
+def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[str, HopperTiles]:
+    """dK/dV and dQ tiles: 64 resident rows per consumer; 64-row streamed tiles (32 for dK/dV at d 128).
+
+    Measured on the H100, each against the other configs in the same run:
+    - dK/dV keeps two consumers. Three get 160 registers each, too few for its two accumulators and two score tiles
+      (they spill), except with 32-row query tiles, which ran 8-13% slower than two consumers' best. Four slots:
+      it issues the next tile's S^T before it releases the tile before, and with three slots that waits on the
+      load (9-13% slower without a mask than four slots).
+    - dQ at d 64 takes three consumers, as the forward does, when that still gives every SM four programs: 5-9%
+      faster than two at N16384. At d 128 three consumers ran 44% slower than two.
+    - dK/dV at d 128 keeps 32-row query tiles. Since L and delta moved to shared memory, 64-row tiles no longer
+      spill inside the loop (`python -m attention.flash.hopper_resources dkdv,128,2,64,4`), but they ran 2% slower
+      (causal) and 1% slower (not causal) at B2 H16 N8192. dQ with two key tiles of 128 rows at d 64 ran 18-27%
+      slower than three consumers.
+    """
+    if d == 128:
+        return {"dkdv": HopperTiles(2, 32, 4), "dq": HopperTiles(2, 64, 4)}
+    dq = HopperTiles(3, 64, 4)
+    if batch_heads * math.ceil(n / dq.rows) < 4 * sm_count:
+        dq = HopperTiles(2, 64, 4)
+    return {"dkdv": HopperTiles(2, 64, 4), "dq": dq}
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
+             tiles: Optional[dict[str, HopperTiles]] = None) -> None:
+    """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted.
+
+    lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
+    """
+    b, h, n, d = q.shape
+    tiles = {**backward_tiles_for(d, n, b * h, _sm_count(q.device.index or 0)), **(tiles or {})}
+    # The two kernels are independent: dQ runs on a second stream, so its programs take the SMs that dK/dV's last
+    # wave leaves idle instead of waiting for the whole kernel to drain (6-12% faster than one after the other on
+    # the H100).
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device.index or 0)
+    side.wait_stream(main)  # the inputs, delta included, are written on main
+    backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"])
+    with torch.cuda.stream(side):
+        backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"])
+    # Main waits for dQ before anything later runs, so no tensor the dQ kernel touches is freed or reused under it.
+    main.wait_stream(side)
+
+
+def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of (batch, heads, seq, d) inputs that forward_problem accepted: o in q's memory order, lse fp32."""
+    o4 = empty_like(q4)
+    lse = empty(tuple(q4.shape[:-1]), torch.float32, q4.device)
+    with on_device_of(q4):
+        forward(q4, k4, v4, o4, lse, causal, scale)
+    return o4, lse
+
+
+def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
+                 do4: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass."""
+    dq4, dk4, dv4 = (empty_like(t) for t in (q4, k4, v4))
+    with on_device_of(q4):
+        backward(q4, k4, v4, do4, lse, triton_delta(o4, do4), dq4, dk4, dv4, causal, scale)
+    return dq4, dk4, dv4
+
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device_index)
+
+
+def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, query_rows: int,
+                     key_rows: int):
+    """Descriptors of q, k, v, dO (q and dO in blocks of query_rows, k and v of key_rows) and their view indices."""
+    return zip(*(_descriptor(t, rows) for t, rows in ((q, query_rows), (k, key_rows), (v, key_rows), (do, query_rows))))
+
+
+def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                  delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
+                  t: HopperTiles) -> None:
+    """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed."""
+    import triton
+
+    from attention.flash.hopper_kernels import attn_bwd_dkdv_hopper
+
+    b, h, n, d = q.shape
+    _check_tiles(n, t)
+    descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
+    attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
+        *descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
+        _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
+        *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
+        **_meta(t, causal),
+    )
+
+
+def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, t: HopperTiles) -> None:
+    """The dQ kernel of `backward`: t.block_m query rows per consumer, key tiles of t.block_n streamed."""
+    import triton
+
+    from attention.flash.hopper_kernels import attn_bwd_dq_hopper
+
+    b, h, n, d = q.shape
+    _check_tiles(n, t)
+    descs, indices = _backward_inputs(q, k, v, do, t.block_m, t.block_n)
+    attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
+        *descs, _output_descriptor(dq, indices[0], t.block_m), lse, delta,
+        *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
+        **_meta(t, causal),
+    )

@@ -1,0 +1,195 @@
+"""Compile flash's Gluon Hopper kernels for sm_90 on any machine, no GPU needed: shared memory, registers, spills.
+
+Spills ruled out several of the Hopper kernels' tile configs (hopper.backward_tiles_for), and ptxas reports them
+without a device: `python -m attention.flash.hopper_resources` compiles the configs the dispatch picks at the
+benchmark shapes, or those given as `kind,d,consumers,block_n,stages[,causal]`:
+
+    python -m attention.flash.hopper_resources dkdv,128,2,64,4 fwd,64,2,128,3,0
+
+The report comes from the installed Triton and its ptxas; triton 3.6 and 3.9 give different spills for the same
+source, so read it for the Triton that will run the kernels. A config without spills is not always faster (dK/dV at
+d 128 with 64-row query tiles spills nothing and ran 1-2% slower than with 32-row ones). Integer arguments are
+compiled as multiples of 16, as Triton specialises them for the shapes the Hopper kernels accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attention.flash.hopper import HopperTiles, _shared_layout, _stats_layout, backward_tiles_for, tiles_for
+
+H100_SMS = 132
+# Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as hopper.py launches them.
+DESCRIPTOR_ROWS = {
+    "fwd": dict(q_desc="m", k_desc="n", v_desc="n", o_desc="m"),
+    "dkdv": dict(q_desc="n", k_desc="m", v_desc="m", do_desc="n", dk_desc="m", dv_desc="m", lse_desc="n",
+                 delta_desc="n"),
+    "dq": dict(q_desc="m", k_desc="n", v_desc="n", do_desc="m", dq_desc="m"),
+}
+KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn_bwd_dq_hopper"}
+FLOAT_ARGS = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32"}
+ROW_STATS = ("lse_desc", "delta_desc")  # 1-D fp32 descriptors over L and delta
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    kind: str
+    d: int
+    tiles: HopperTiles
+    causal: bool
+    shared_bytes: int
+    warps: int  # launched, every partition's warps together
+    registers: Optional[int]  # per thread at launch (ptxas -v); None if ptxas did not say
+    spill_bytes: Optional[int]  # bytes of spill stores plus spill loads
+
+
+def _descriptor_type(rows: int, d: int, row_stats: bool) -> str:
+    """The signature type of a descriptor argument, with the shared-memory layout hopper.py's launches use."""
+    if row_stats:
+        return f"tensordesc<fp32[{rows}],{_stats_layout()!r}>"
+    return f"tensordesc<bf16[{rows}, {d}],{_shared_layout(rows, d, torch.bfloat16)!r}>"
+
+
+def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True):
+    """The Triton CompiledKernel of flash's `kind` ("fwd", "dkdv" or "dq") Hopper kernel for bf16 at head dim d."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from attention.flash import hopper_kernels
+    from attention.flash.hopper import _meta
+
+    if kind not in KERNELS:
+        raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
+    fn = getattr(hopper_kernels, KERNELS[kind])
+    meta = _meta(tiles, causal)
+    num_warps = meta.pop("num_warps")
+    rows = {"m": tiles.block_m, "n": tiles.block_n}
+    signature, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(fn.fn).parameters):
+        if name in meta:
+            signature[name] = "constexpr"
+        elif name in DESCRIPTOR_ROWS[kind]:
+            signature[name] = _descriptor_type(rows[DESCRIPTOR_ROWS[kind][name]], d, name in ROW_STATS)
+        else:
+            signature[name] = FLOAT_ARGS.get(name, "i32")
+            if signature[name] != "fp32":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(fn, signature, meta, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def _ptxas_report(ptx: str) -> tuple[Optional[int], Optional[int]]:
+    """(registers, spill bytes) from `ptxas -v` on the kernel's PTX, or Nones where no ptxas takes it."""
+    from triton import knobs
+
+    path = knobs.nvidia.ptxas.path
+    # triton 3.9's `ptxas` is older than the PTX its compiler writes; its `ptxas-blackwell` takes it.
+    candidates = [path, os.path.join(os.path.dirname(path), "ptxas-blackwell")]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        for ptxas in candidates:
+            if not os.path.exists(ptxas):
+                continue
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                 text=True)
+            text = out.stdout + out.stderr
+            regs = re.search(r"Used (\d+) registers", text)
+            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+            if out.returncode == 0 and regs and spills:
+                return int(regs.group(1)), int(spills.group(1)) + int(spills.group(2))
+    finally:
+        os.unlink(f.name)
+    return None, None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _resources_without_interpreter(kind: str, d: int, tiles: HopperTiles, causal: bool) -> KernelResources:
+    """resources() in a Python without TRITON_INTERPRET. With it set, triton.jit makes Triton's own library
+    functions (gl.max's combine function among them) interpreter functions, which no GPU compile can use."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    spec = f"{kind},{d},{tiles.consumers},{tiles.block_n},{tiles.stages},{int(causal)}"
+    done = subprocess.run([sys.executable, "-m", "attention.flash.hopper_resources", "--json", spec], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {spec} for sm_90 failed:\n{done.stderr[-4000:]}")
+    row = json.loads(done.stdout.splitlines()[-1])
+    return KernelResources(kind, d, tiles, causal, row["shared_bytes"], row["warps"], row["registers"],
+                           row["spill_bytes"])
+
+
+def resources(kind: str, d: int, tiles: HopperTiles, causal: bool = True) -> KernelResources:
+    """Shared memory, warps, registers and spills of flash's `kind` Hopper kernel compiled for sm_90."""
+    if kind not in KERNELS:
+        raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
+    if _interpreting():
+        return _resources_without_interpreter(kind, d, tiles, causal)
+    kernel = compile_kernel(kind, d, tiles, causal)
+    registers, spills = _ptxas_report(kernel.asm["ptx"])
+    return KernelResources(kind, d, tiles, causal, kernel.metadata.shared, kernel.metadata.num_warps, registers,
+                           spills)
+
+
+def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
+    """(kind, d, tiles, causal) the dispatch picks on an H100 at the benchmark shapes and the `large` model's."""
+    shapes = [(1, 16, 16384, 64, True), (2, 16, 8192, 128, True), (2, 16, 8192, 64, False), (4, 20, 1024, 64, True),
+              (8, 16, 1024, 128, True)]
+    configs = []
+    for b, h, n, d, causal in shapes:
+        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS), causal))
+        for kind, t in backward_tiles_for(d, n, b * h, H100_SMS).items():
+            configs.append((kind, d, t, causal))
+    return list(dict.fromkeys(configs))
+
+
+def _parse(spec: str) -> tuple[str, int, HopperTiles, bool]:
+    parts = spec.split(",")
+    if len(parts) not in (5, 6):
+        raise argparse.ArgumentTypeError(f"expected kind,d,consumers,block_n,stages[,causal], got {spec!r}")
+    kind, d, consumers, block_n, stages = parts[0], *map(int, parts[1:5])
+    if kind not in KERNELS:
+        raise argparse.ArgumentTypeError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
+    return kind, d, HopperTiles(consumers, block_n, stages), parts[5] != "0" if len(parts) == 6 else True
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="*", type=_parse, help="kind,d,consumers,block_n,stages[,causal]")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
+    args = parser.parse_args(argv)
+    if args.json:
+        for kind, d, t, causal in args.configs or dispatch_configs():
+            r = resources(kind, d, t, causal)
+            print(json.dumps({"kind": kind, "d": d, "consumers": t.consumers, "block_n": t.block_n,
+                              "stages": t.stages, "causal": causal, "shared_bytes": r.shared_bytes,
+                              "warps": r.warps, "registers": r.registers, "spill_bytes": r.spill_bytes}), flush=True)
+        return
+    # spill B: bytes of spill stores plus spill loads; regs: per thread at launch
+    print(f"{'kernel':6s} {'d':>4s} {'tiles':16s} {'causal':6s} {'shared KiB':>10s} {'regs':>5s} {'spill B':>7s}")
+    for kind, d, t, causal in args.configs or dispatch_configs():
+        r = resources(kind, d, t, causal)
+        tiles = f"c{t.consumers} m{t.block_m} n{t.block_n} s{t.stages}"
+        regs, spills = ("?" if x is None else x for x in (r.registers, r.spill_bytes))
+        print(f"{kind:6s} {d:4d} {tiles:16s} {str(causal):6s} {r.shared_bytes / 1024:10.1f} {regs:>5} {spills:>7}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

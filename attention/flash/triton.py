@@ -1,0 +1,327 @@
+"""flash's FlashAttention-2 kernels in Triton, host side: tile configurations, autotuning, launches.
+
+The kernels are in triton_kernels.py; the design is described in docs/flash.md. `forward` and `backward` run any
+input the `flash` backend accepts, on the GPU or in the CPU interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
+
+try:
+    import triton
+except ImportError:  # the flash backend reports it through its environment check; flash-torch still works
+    triton = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tile configurations: the one place to tune.
+# BLOCK_M is always the query tile, BLOCK_N the key tile. The forward and dQ kernels need
+# BLOCK_M % BLOCK_N == 0 and the dK/dV kernel BLOCK_N % BLOCK_M == 0 (the causal band is whole tiles).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Kept short on purpose: every config is a compile (1-2 s each) the first time a shape is seen. These are
+# the configs that won on the H100 for d_head 64-128 in bf16 (scripts/flash_tile_sweep.py, 11-16 configs per
+# kernel at B1 H16 N16384 d 64, B2 H16 N8192 d 128 and d 64, B1 H16 N4096 d 64); smaller tiles remain in
+# DEFAULT_TILES.
+FWD_SEARCH_SPACE = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 3),
+                    Tiles(128, 128, 8, 2), Tiles(128, 32, 4, 4), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4),
+                    Tiles(64, 32, 4, 4)]
+DKDV_SEARCH_SPACE = [Tiles(32, 128, 4, 3), Tiles(32, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(64, 128, 8, 2),
+                     Tiles(32, 64, 4, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2), Tiles(128, 128, 8, 2)]
+DQ_SEARCH_SPACE = [Tiles(128, 32, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 4),
+                   Tiles(128, 64, 4, 3), Tiles(128, 32, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4),
+                   Tiles(64, 32, 4, 3)]
+SEARCH_SPACES = {"fwd": FWD_SEARCH_SPACE, "dkdv": DKDV_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE}
+
+# Without autotuning: the first of these that fits the head dim and dtype with margin (at most
+# _DEFAULT_ACC_REGS accumulator registers per thread and 3/4 of the shared memory estimate, see _fits:
+# nothing benchmarks these, so a config that runs out of resources would just fail); the last is the
+# fallback.
+DEFAULT_TILES = {
+    "fwd": [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 32, 8, 2), Tiles(64, 16, 8, 1)],
+    "dkdv": [Tiles(32, 128, 8, 3), Tiles(32, 64, 4, 3), Tiles(32, 64, 8, 2), Tiles(32, 32, 8, 2), Tiles(16, 32, 8, 1)],
+    "dq": [Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 32, 8, 2), Tiles(64, 16, 8, 1)],
+}
+_DEFAULT_ACC_REGS = 64
+
+# The CPU interpreter: small tiles, so short test sequences still span several tiles, a causal band of
+# two key tiles and ragged edges.
+INTERPRET_TILES = {"fwd": Tiles(32, 16, 4, 1), "dkdv": Tiles(16, 32, 4, 1), "dq": Tiles(32, 16, 4, 1)}
+
+DELTA_BLOCK_M = 64  # the delta pre-pass is memory bound; not tuned
+
+_FALLBACK_SMEM_BYTES = 227 * 1024  # Hopper's per-block opt-in limit, if the device cannot be asked
+_MAX_ACC_REGS_PER_THREAD = 128  # fp32 accumulator registers per thread before spills become likely
+
+
+def _block_d(d_head: int) -> int:
+    return max(16, triton.next_power_of_2(d_head) if triton else 1 << (d_head - 1).bit_length())
+
+
+def _smem_bytes(kernel: str, t: Tiles, block_d: int, elem: int) -> int:
+    """Rough shared memory: the resident tile(s) plus num_stages buffers of each streamed tile."""
+    if kernel == "fwd":  # q resident; k, v streamed
+        rows = t.block_m + 2 * t.num_stages * t.block_n
+    elif kernel == "dkdv":  # k, v resident; q, dO streamed
+        rows = 2 * t.block_n + 2 * t.num_stages * t.block_m
+    else:  # dq: q, dO resident; k, v streamed
+        rows = 2 * t.block_m + 2 * t.num_stages * t.block_n
+    return rows * block_d * elem
+
+
+def _acc_regs_per_thread(kernel: str, t: Tiles, block_d: int) -> int:
+    acc_rows = 2 * t.block_n if kernel == "dkdv" else t.block_m  # dK and dV, or O / dQ
+    return acc_rows * block_d // (32 * t.num_warps)
+
+
+def _fits(kernel: str, t: Tiles, block_d: int, elem: int, smem_limit: int,
+          max_acc_regs: int = _MAX_ACC_REGS_PER_THREAD) -> bool:
+    return (
+        _smem_bytes(kernel, t, block_d, elem) <= smem_limit
+        and _acc_regs_per_thread(kernel, t, block_d) <= max_acc_regs
+    )
+
+
+@functools.cache
+def _smem_limit(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", 0) or _FALLBACK_SMEM_BYTES
+
+
+def _default_tiles(kernel: str, block_d: int, elem: int, smem_limit: int) -> Tiles:
+    for t in DEFAULT_TILES[kernel]:
+        if _fits(kernel, t, block_d, elem, smem_limit * 3 // 4, _DEFAULT_ACC_REGS):
+            return t
+    return DEFAULT_TILES[kernel][-1]
+
+
+def _autotune_enabled() -> bool:
+    """FLASH_ATTN_AUTOTUNE=0 launches DEFAULT_TILES instead of autotuning: no tuning runs, e.g. in short test runs."""
+    return os.environ.get("FLASH_ATTN_AUTOTUNE", "1").strip() not in ("0", "false", "off", "no")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernel module
+# ----------------------------------------------------------------------------------------------------------
+
+_kernel_module = None
+
+
+def _kernels():
+    """The kernel module, imported on first use (TRITON_INTERPRET must be set before this)."""
+    global _kernel_module
+    if _kernel_module is None:
+        from attention.flash import triton_kernels
+
+        _kernel_module = triton_kernels
+    return _kernel_module
+
+
+# Constant to torch.compile: Dynamo calls it while tracing instead of tracing it. Traced, its read of _kernel_module
+# became a guard on that global, which the first compiled call then sets (flash_op loads the kernels while the
+# compiler runs it on fake tensors), and Dynamo failed building a guard on a module ("Unexpected type").
+@torch.compiler.assume_constant_result
+def interpreting() -> bool:
+    """Whether kernels run in the Triton CPU interpreter: fixed once the kernels are loaded."""
+    if _kernel_module is not None:
+        return _kernel_module.INTERPRET
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def installed() -> bool:
+    return triton is not None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launching
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(t.stride())  # type: ignore[return-value]
+
+
+def _dot_precision(dtype: torch.dtype, block_d: int) -> str:
+    # fp32: 3xTF32, fp32-accurate on tensor cores (docs/flash.md, Precision). 16-bit inputs ignore it.
+    # Head dims above 128 keep "ieee": with tf32x3, fp32 d_head 256 hit an illegal memory access on the H100
+    # (triton 3.6), and at those sizes the FMA path is what was tested correct there.
+    if dtype != torch.float32:
+        return "tf32"
+    return "tf32x3" if block_d <= 128 else "ieee"
+
+
+def _prune(kernel: str):
+    """early_config_prune for the autotuner: drop configs that cannot fit or are far larger than the seq."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        block_d, elem = args["BLOCK_D"], args["Q"].element_size()
+        limit = _smem_limit(args["Q"].device.index or 0)
+        max_m = max(64, triton.next_power_of_2(args["N_Q"]))
+        max_n = max(64, triton.next_power_of_2(args["N_K"]))
+        kept = [
+            c
+            for c in configs
+            if _fits(kernel, Tiles(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages),
+                     block_d, elem, limit)
+            and c.kwargs["BLOCK_M"] <= max_m
+            and c.kwargs["BLOCK_N"] <= max_n
+        ]
+        if kept:
+            return kept
+        # Nothing in the search space fits (large head dims in fp32): use the default tiles that do.
+        t = _default_tiles(kernel, block_d, elem, limit)
+        return [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps,
+                              num_stages=t.num_stages)]
+
+    return prune
+
+
+_KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
+_AUTOTUNE_KEY = ["N_Q", "N_K", "D", "CAUSAL"]  # triton adds the tensors' dtypes to the key itself
+
+
+@functools.cache
+def _autotuned(kernel: str):
+    """The kernel wrapped in triton.autotune, built once, on first GPU use (so importing needs no GPU).
+
+    Built once, not per launch: a fresh Autotuner has an empty in-memory cache, so every launch would look
+    the config up on disk again (hashing, a file read), milliseconds of host time per attention call.
+    """
+    configs = [
+        triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps, num_stages=t.num_stages)
+        for t in SEARCH_SPACES[kernel]
+    ]
+    options = {"prune_configs_by": {"early_config_prune": _prune(kernel)}}
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        options["cache_results"] = True  # keep timings on disk: a training run does not re-tune each start
+    return triton.autotune(configs=configs, key=_AUTOTUNE_KEY, **options)(getattr(_kernels(), _KERNEL_NAMES[kernel]))
+
+
+# The config the autotuner chose, per kernel and autotune key. Later calls with that key launch the kernel with it
+# directly: going through the Autotuner again costs 12-20 us more host time per launch (37-46 against 24-25 us in
+# two runs on the H100), and short sequences are bound by host time.
+_tuned: dict[tuple, Tiles] = {}
+
+
+def _tiles_of(config) -> Tiles:
+    return Tiles(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+
+
+def _launchable(fn, traceable: bool):
+    """fn itself, or fn through torch.library.wrap_triton, as a triton_op must launch it to be seen by torch.compile."""
+    return torch.library.wrap_triton(fn) if traceable else fn
+
+
+def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: dict, like: torch.Tensor,
+            tiles: Optional[Tiles], traceable: bool = False) -> None:
+    """Run `kernel` over a (tiles of its own axis, bh) grid, with `tiles` or the mode's choice of tiles.
+
+    seq_lens is (n_q, n_k); the dK/dV kernel owns key tiles, the others query tiles. `traceable`: see _launchable."""
+    n_rows_of_grid = seq_lens[1] if kernel == "dkdv" else seq_lens[0]
+    grid_block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"  # the tile each program owns
+    jit_fn = getattr(_kernels(), _KERNEL_NAMES[kernel])
+    if tiles is None and not interpreting() and _autotune_enabled():
+        # What the autotuner keys on (_AUTOTUNE_KEY and the dtypes, which follow q's), plus the device.
+        key = (kernel, *seq_lens, meta["D"], meta["CAUSAL"], like.dtype, like.device)
+        tiles = _tuned.get(key)
+        if tiles is None:
+            # Traced, the autotuner goes to Inductor, which tunes it when the compiled code first runs and keeps the
+            # choice in its own on-disk autotune cache; nothing is recorded here.
+            tuner = _autotuned(kernel)
+            _launchable(tuner, traceable)[lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)](*args, **meta)
+            if not traceable:
+                _tuned[key] = _tiles_of(tuner.best_config)
+            return
+    if tiles is None:
+        if interpreting():
+            tiles = INTERPRET_TILES[kernel]
+        else:
+            limit = _smem_limit(like.device.index or 0)
+            tiles = _default_tiles(kernel, meta["BLOCK_D"], like.element_size(), limit)
+    own = tiles.block_n if kernel == "dkdv" else tiles.block_m
+    _launchable(jit_fn, traceable)[(triton.cdiv(n_rows_of_grid, own), bh)](
+        *args, **meta, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def _meta(q: torch.Tensor, causal: bool) -> dict:
+    d = q.shape[-1]
+    block_d = _block_d(d)
+    return {"D": d, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype, block_d)}
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+            tiles: Optional[Tiles] = None, traceable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) for validated inputs: o like q (its memory order up to 4 dims), lse fp32 of shape q.shape[:-1].
+
+    tiles: a config to launch instead of the autotuner's. traceable: launch through torch.library.wrap_triton, as
+    code inside a triton_op must.
+    """
+    q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
+    b, h, n_q, d = q4.shape
+    n_k = k4.shape[-2]
+    # Outputs are allocated in the caller's shape; the kernel writes through (b, h, ...) views.
+    o = empty_like(q)
+    lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
+    o4 = as_bhsd(o)
+    args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
+            h, n_q, n_k, scale * math.log2(math.e))
+    with on_device_of(q):
+        _launch("fwd", (n_q, n_k), b * h, args, _meta(q, causal), q, tiles, traceable)
+    return o, lse
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+             do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
+             traceable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}) replaces the
+    autotuner's configs of those kernels; traceable as in `forward`."""
+    tiles = tiles or {}
+    q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
+    b, h, n_q, d = q4.shape
+    n_k = k4.shape[-2]
+    meta = _meta(q, causal)
+    dq, dk, dv = (empty_like(t) for t in (q, k, v))
+    dq4, dk4, dv4 = as_bhsd(dq), as_bhsd(dk), as_bhsd(dv)
+    qk_scale = scale * math.log2(math.e)
+    with on_device_of(q):
+        rowsum = delta(o4, do4, traceable)
+        args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
+                *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale)
+        _launch("dkdv", (n_q, n_k), b * h, args, meta, q, tiles.get("dkdv"), traceable)
+        args = (q4, k4, v4, do4, lse, rowsum, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
+                *_strides(dq4), h, n_q, n_k, qk_scale, scale)
+        _launch("dq", (n_q, n_k), b * h, args, meta, q, tiles.get("dq"), traceable)
+    return dq, dk, dv
+
+
+def delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool = False) -> torch.Tensor:
+    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads."""
+    b, h, n_q, d = o4.shape
+    out = empty((b, h, n_q), torch.float32, o4.device)
+    _launchable(_kernels().attn_bwd_delta, traceable)[(triton.cdiv(n_q, DELTA_BLOCK_M), b * h)](
+        o4, do4, out, *_strides(o4), *_strides(do4), h, n_q, D=d, BLOCK_D=_block_d(d), BLOCK_M=DELTA_BLOCK_M,
+    )
+    return out

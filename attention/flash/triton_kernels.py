@@ -1,0 +1,402 @@
+"""The Triton kernels of `flash` (FlashAttention-2); the host code is in triton.py, the design in docs/flash.md.
+
+Imported lazily by triton.py on first use: `triton.jit` decides at decoration time whether a kernel
+runs on the GPU or in the CPU interpreter, so TRITON_INTERPRET must be set before this module loads.
+
+Every kernel sees one (batch, head) slice per program along grid axis 1 and tiles along axis 0.
+Naming, for all kernels: M indexes queries, N indexes keys, D the head dim (padded to BLOCK_D, a power
+of two; D is the real head dim). Base offsets and row offsets are int64, so tensors beyond 2^31
+elements address correctly. Scores are kept in the base-2 domain: qk_scale = scale * log2(e), so
+exp(scale * s) == exp2(qk_scale * s); L is stored as a natural log and converted where it is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# The mode the kernels below were decorated in (fixed for the life of the process).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """A (rows, BLOCK_D) tile; rows past n_rows and padded head-dim columns read as 0.
+
+    The masks are compile-time decisions: a full tile of a power-of-two head dim loads with no mask.
+    """
+    if CHECK_ROWS:
+        if BLOCK_D == D:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+    else:
+        if BLOCK_D == D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptrs, tile, rows, n_rows, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    if BLOCK_D == D:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_kv_loop(
+    acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_n, offs_d, lo, hi, N_K, qk_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHECK_KEYS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles [lo, hi): the running max m_i, sum l_i and unnormalised output acc."""
+    k_ptrs = K + (lo + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + (lo + offs_n).to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_tile(k_ptrs, cols, N_K, offs_d, D, BLOCK_D, CHECK_KEYS)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        if CAUSAL_MASK:
+            # Only the diagonal band gets here. For real rows (< N_Q == N_K) this also masks keys past N_K.
+            s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+        elif CHECK_KEYS:
+            s = tl.where(cols[None, :] < N_K, s, float("-inf"))
+        # scale > 0 (checked on the host), so max(s) * qk_scale == max(s * qk_scale) and the subtraction
+        # below fuses into one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptrs, cols, N_K, offs_d, D, BLOCK_D, CHECK_KEYS)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd(
+    Q, K, V, O, L,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, N_Q, N_K, qk_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """O = softmax(scale q k^T) v for one query tile of one (batch, head); L = logsumexp (natural log)."""
+    # Inductor passes Python floats as fp64 when it launches the kernel (flash_op under torch.compile); fp64 scores
+    # would promote the whole softmax and the accumulator.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    # Causal: the last query tiles do the most work, so launch them first for a better tail.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
+    L += bh.to(tl.int64) * N_Q
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(
+        Q + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        offs_m, N_Q, offs_d, D, BLOCK_D, True,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        # Key tiles left of the query tile see every key: no mask. BLOCK_M % BLOCK_N == 0, so the band
+        # [diag_lo, diag_lo + BLOCK_M) is whole key tiles; tiles right of it are skipped entirely.
+        diag_lo = pid_m * BLOCK_M
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, diag_lo, N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, False, False, DOT_PRECISION,
+        )
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, diag_lo, tl.minimum(diag_lo + BLOCK_M, N_K), N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, True, True, DOT_PRECISION,
+        )
+    else:
+        full_hi = (N_K // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, full_hi, N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, False, False, DOT_PRECISION,
+        )
+        # The ragged last key tile, if any (zero or one iteration).
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, full_hi, N_K, N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, True, False, DOT_PRECISION,
+        )
+
+    # Every real row saw at least one key (N_K >= 1; causal row r sees key 0), so l_i > 0.
+    o = acc / l_i[:, None]
+    _store_tile(
+        O + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od,
+        o.to(O.dtype.element_ty), offs_m, N_Q, offs_d, D, BLOCK_D,
+    )
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # log2 -> natural log
+    tl.store(L + offs_m, lse, mask=offs_m < N_Q)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward: delta pre-pass, then dK/dV (program per key tile) and dQ (program per query tile). No atomics.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def attn_bwd_delta(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, N_Q,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by every key of a row."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    o = _load_tile(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
+                   offs_m, N_Q, offs_d, D, BLOCK_D, True)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, N_Q, offs_d, D, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _dkdv_q_loop(
+    dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+    offs_n, offs_m, offs_d, lo, hi, N_Q, qk_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi), working with transposed scores."""
+    q_ptrs = Q + (lo + offs_m).to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = DO + (lo + offs_m).to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q = _load_tile(q_ptrs, rows, N_Q, offs_d, D, BLOCK_D, CHECK_ROWS)
+        if CHECK_ROWS:
+            # Rows past N_Q get L = +inf, so their probabilities are exactly 0 and they add nothing.
+            lse = tl.load(L + rows, mask=rows < N_Q, other=float("inf"))
+            delta = tl.load(DELTA + rows, mask=rows < N_Q, other=0.0)
+        else:
+            lse = tl.load(L + rows)
+            delta = tl.load(DELTA + rows)
+        do = _load_tile(do_ptrs, rows, N_Q, offs_d, D, BLOCK_D, CHECK_ROWS)
+        # Order matters on Hopper: Triton waits for a wgmma at once unless its result only accumulates (dv, dk),
+        # so both score matmuls go first and dS is computed while the dV matmul runs
+        # (than S, P, dV, dP, dS, dK: the whole backward 1.4-5.3% faster at each shape's best tiles on the H100).
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+        if CAUSAL_MASK:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, L, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, N_Q, N_K, qk_scale, scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV for one key tile of one (batch, head): k and v stay on chip, query tiles stream past."""
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 from Inductor, see attn_fwd
+    pid_n = tl.program_id(0)  # causal: the first key tiles have the most query tiles, and launch first
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DK += b * stride_dkb + h * stride_dkh
+    DV += b * stride_dvb + h * stride_dvh
+    L += bh.to(tl.int64) * N_Q
+    DELTA += bh.to(tl.int64) * N_Q
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows_n = offs_n.to(tl.int64)[:, None]
+    k = _load_tile(K + rows_n * stride_kn + offs_d[None, :] * stride_kd, offs_n, N_K, offs_d, D, BLOCK_D, True)
+    v = _load_tile(V + rows_n * stride_vn + offs_d[None, :] * stride_vd, offs_n, N_K, offs_d, D, BLOCK_D, True)
+    # Keys past N_K load as 0; their dK/dV rows are computed but never stored, and rows do not mix.
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    full_q_hi = (N_Q // BLOCK_M) * BLOCK_M  # query tiles below this need no row mask
+    if CAUSAL:
+        # Queries above the key tile see none of its keys: skipped. BLOCK_N % BLOCK_M == 0, so the band
+        # of query rows [band_lo, band_hi) that straddles the diagonal is whole query tiles.
+        band_lo = pid_n * BLOCK_N
+        band_hi = band_lo + BLOCK_N
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_m, offs_d, band_lo, tl.minimum(band_hi, N_Q), N_Q, qk_scale,
+            D, BLOCK_D, BLOCK_M, True, True, DOT_PRECISION,
+        )
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_m, offs_d, band_hi, full_q_hi, N_Q, qk_scale,
+            D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION,
+        )
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_m, offs_d, tl.maximum(band_hi, full_q_hi), N_Q, N_Q, qk_scale,
+            D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION,
+        )
+    else:
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_m, offs_d, 0, full_q_hi, N_Q, qk_scale,
+            D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION,
+        )
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_m, offs_d, full_q_hi, N_Q, N_Q, qk_scale,
+            D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION,
+        )
+
+    dk *= scale  # dS was taken w.r.t. the scaled scores
+    _store_tile(DK + rows_n * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+                offs_n, N_K, offs_d, D, BLOCK_D)
+    _store_tile(DV + rows_n * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+                offs_n, N_K, offs_d, D, BLOCK_D)
+
+
+@triton.jit
+def _dq_kv_loop(
+    dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_n, offs_d, lo, hi, N_K, qk_scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHECK_KEYS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+    k_ptrs = K + (lo + offs_n).to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + (lo + offs_n).to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_tile(k_ptrs, cols, N_K, offs_d, D, BLOCK_D, CHECK_KEYS)
+        v = _load_tile(v_ptrs, cols, N_K, offs_d, D, BLOCK_D, CHECK_KEYS)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        if CAUSAL_MASK:
+            p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
+        elif CHECK_KEYS:
+            # A missing key has s = 0, and exp2(-lse2) can overflow when every real score is very negative.
+            p = tl.where(cols[None, :] < N_K, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, DO, L, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, N_Q, N_K, qk_scale, scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ for one query tile of one (batch, head): q, dO, L, delta stay on chip, key tiles stream past."""
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 from Inductor, see attn_fwd
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: heaviest query tiles first
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DQ += b * stride_dqb + h * stride_dqh
+    L += bh.to(tl.int64) * N_Q
+    DELTA += bh.to(tl.int64) * N_Q
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows_m = offs_m.to(tl.int64)[:, None]
+    q = _load_tile(Q + rows_m * stride_qm + offs_d[None, :] * stride_qd, offs_m, N_Q, offs_d, D, BLOCK_D, True)
+    do = _load_tile(DO + rows_m * stride_dom + offs_d[None, :] * stride_dod, offs_m, N_Q, offs_d, D, BLOCK_D, True)
+    # Rows past N_Q: L = +inf gives p = 0; they are not stored either way.
+    lse2 = tl.load(L + offs_m, mask=offs_m < N_Q, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if CAUSAL:
+        diag_lo = pid_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0: the band is whole key tiles
+        dq = _dq_kv_loop(
+            dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, diag_lo, N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, False, False, DOT_PRECISION,
+        )
+        dq = _dq_kv_loop(
+            dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, diag_lo, tl.minimum(diag_lo + BLOCK_M, N_K), N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, True, True, DOT_PRECISION,
+        )
+    else:
+        full_hi = (N_K // BLOCK_N) * BLOCK_N
+        dq = _dq_kv_loop(
+            dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, full_hi, N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, False, False, DOT_PRECISION,
+        )
+        dq = _dq_kv_loop(
+            dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, full_hi, N_K, N_K, qk_scale,
+            D, BLOCK_D, BLOCK_N, True, False, DOT_PRECISION,
+        )
+
+    dq *= scale
+    _store_tile(DQ + rows_m * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+                offs_m, N_Q, offs_d, D, BLOCK_D)

@@ -1,0 +1,73 @@
+"""Tokenize a text corpus for training: `python prepare_data.py [INPUT] --vocab-size 8192`.
+
+INPUT is a text file, a directory of text files, or nothing: the built-in corpus (this Python's standard library
+sources). Trains a byte-level BPE tokenizer on the training split (Hugging Face `tokenizers`, locally: no download),
+encodes everything in parallel, and writes a prepared directory (training/prepared.py): train.bin, val.bin,
+document starts, tokenizer.json and meta.json. Train on it with `python train.py --data DIR`. Running it again on the
+same input and settings reuses the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from training.prepared import PreparedDataError, Settings, prepare
+from training.text_corpus import CorpusError, resolve
+from training.tokenizer import BYTE_VOCAB, KINDS, TokenizerError
+
+DEFAULTS = Settings()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", nargs="?", help="text file or directory of text files; default: the built-in corpus")
+    p.add_argument("--out", help="prepared directory to write; default: data/<input name>-<tokenizer>")
+    p.add_argument("--tokenizer", choices=KINDS, default=DEFAULTS.tokenizer,
+                   help="bpe (default): byte-level BPE trained on the input; bytes: UTF-8 bytes (vocabulary 256)")
+    p.add_argument("--vocab-size", type=int, help=f"BPE vocabulary, end-of-document token included "
+                                                  f"(default {DEFAULTS.vocab_size}; bytes: {BYTE_VOCAB})")
+    p.add_argument("--separator", default=DEFAULTS.separator,
+                   help="string that separates documents inside a file (default %(default)s; '': each file is one "
+                        "document)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULTS.val_fraction,
+                   help="share of the input (its end) held out for validation (default %(default)s)")
+    p.add_argument("--tokenizer-sample-bytes", type=int, default=DEFAULTS.tokenizer_sample_bytes,
+                   help="train BPE on at most this many bytes, spread evenly over the training split "
+                        "(default %(default)s)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    vocab = args.vocab_size or (BYTE_VOCAB if args.tokenizer == "bytes" else DEFAULTS.vocab_size)
+    settings = Settings(args.tokenizer, vocab, args.separator, args.val_fraction, args.tokenizer_sample_bytes)
+    try:
+        settings.check()
+        corpus = resolve(args.input)
+        suffix = "bytes" if args.tokenizer == "bytes" else f"bpe{vocab}"
+        out = Path(args.out) if args.out else Path("data") / f"{corpus.name}-{suffix}"
+        start = time.perf_counter()
+        meta, reused = prepare(corpus, out, settings)
+    except (CorpusError, PreparedDataError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    seconds = time.perf_counter() - start
+    if reused:
+        print(f"{out}: already prepared from the same input and settings; reused")
+    else:
+        n_bytes = sum(s["bytes"] for s in meta["splits"].values())
+        print(f"{out}: prepared in {seconds:.1f} s ({n_bytes / 1e6 / seconds:.2f} MB/s)")
+    print(f"{meta['source']}; {meta['tokenizer']} tokenizer, vocabulary {meta['vocab_size']}, {meta['dtype']}")
+    for split, c in meta["splits"].items():
+        print(f"  {split}: {c['tokens']:,} tokens, {c['bytes']:,} bytes ({c['bytes'] / c['tokens']:.2f} per token), "
+              f"{c['documents']:,} documents")
+    print(f"train on it: python train.py --data {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

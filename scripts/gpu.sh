@@ -1,0 +1,322 @@
+#!/usr/bin/env bash
+# The GPU measurements behind results/, by named step, on one machine:
+#
+#   bash scripts/gpu.sh [--dry-run] STEP[:PART,PART...] ...
+#   bash scripts/gpu.sh tests attention train-steps        # steps run in the order given
+#   bash scripts/gpu.sh attention:leaderboard,n4096 train-steps:large
+#
+# Steps (and their parts; a step without parts runs them all):
+#   tests        the GPU test suite: scripts/gpu_suite.py over tests/attention (fp32, fp16, bf16; fixed tiles,
+#                FLASH_ATTN_AUTOTUNE=0) -> tests/gpu-tests.json
+#   attention    bench_attention.py, bf16, flash against SDPA's FlashAttention-2 and cuDNN kernels and FlexAttention
+#                in the same run:
+#                  leaderboard  --preset leaderboard --graph-timing         (B1 H16 N16384 D64 causal)
+#                  n4096        B1 H16 N4096 D64 causal, --graph-timing
+#                  n8192        B2 H16 N8192 D64 and D128, causal and not
+#                  n1024        B4 H20 N1024 D64 causal, --graph-timing     (the large model's attention)
+#   train-steps  bench_model.py --mode train-step, bf16, compiled, every step replayed as one CUDA graph, AdamW after
+#                and during the backward (--overlap-optimizer both), ours with sdpa and flash against Hugging Face
+#                Llama in the same run:
+#                  small (batch 16, context 1024)   large (batch 4, context 1024)   2.7B (batch 4, context 512)
+#   profile      bench_model.py --profile on ours (sdpa, compiled), then scripts/kernel_categories.py: GPU ms per
+#                step by kernel category. Parts: large, 2.7B (shapes as in train-steps)
+#   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
+#                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
+#                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 512, batch 4,
+#                        activation checkpointing, 40 steps on byte-level text
+#
+# Each step writes its files under $OUT/<step>/ (results.md/.json/.csv of the benchmarks, a .log per command);
+# `== HH:MM:SS` lines timestamp the steps, and each step's summary table prints at the end, after a table of the
+# steps' exit statuses. The exit status is 0 when every command succeeded.
+#
+# Environment:
+#   OUT=DIR       where the files go (default ./gpu-out)
+#   PYTHON=EXE    the Python that has torch with CUDA (default python3)
+#   DEVICE=cpu    distributed only: run its steps with a tiny model over gloo, to check them without GPUs
+# A ./.wheels folder, if present, is installed from first (einx and wandb; transformers for train-steps), for
+# machines without network access. Triton's cache lives in ./.triton-cache (kept between runs, so autotuning is
+# paid once per shape), unless TRITON_CACHE_DIR says otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
+PY="${PYTHON:-python3}"
+OUT="${OUT:-gpu-out}"
+DRY_RUN=0
+
+STATUS=0          # 1 once any command failed
+SUMMARIES=()      # functions that print each step's table at the end
+STEP_TABLE=()     # "step  rc  seconds" rows
+
+# run LOG LIMIT_S CMD...: one command, its output to LOG, stopped after LIMIT_S seconds (the benchmarks write what
+# they have measured when stopped, and exit 130).
+run() {
+    local log=$1 limit=$2
+    shift 2
+    echo "   \$ $*"
+    [ "$DRY_RUN" = 1 ] && return 0
+    mkdir -p "$(dirname "$log")"
+    timeout "$limit" "$@" > "$log" 2>&1
+    local rc=$?
+    echo "   rc=$rc ($log)"
+    [ $rc -ne 0 ] && STATUS=1
+    return $rc
+}
+
+parts() {  # parts SPEC DEFAULT...: the parts named after "step:", or the defaults
+    local spec=$1
+    shift
+    if [[ $spec == *:* ]]; then tr ',' ' ' <<< "${spec#*:}"; else echo "$@"; fi
+}
+
+# --- tests -----------------------------------------------------------------------------------------------------
+step_tests() {
+    local xdist=()
+    # pytest-xdist compiles the many kernel variants in parallel; without it the suite runs in one process.
+    "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 14)
+    run "$OUT/tests/gpu-tests.log" 300 "$PY" scripts/gpu_suite.py --out "$OUT/tests/gpu-tests.json" \
+        -- tests/attention "${xdist[@]}" -q
+    SUMMARIES+=(summary_tests)
+}
+summary_tests() {
+    echo "## tests ($OUT/tests/gpu-tests.json)"
+    [ -f "$OUT/tests/gpu-tests.log" ] || { echo "(no log)"; return; }
+    grep -E "^---- (FAILED|ERROR)" "$OUT/tests/gpu-tests.log" | head -20
+    tail -1 "$OUT/tests/gpu-tests.log"
+}
+
+# --- attention -------------------------------------------------------------------------------------------------
+PEERS=(--backends flash,sdpa-flash,sdpa-cudnn,flex --baseline sdpa-cudnn --no-plots)
+step_attention() {
+    local part dir
+    for part in $(parts "$1" leaderboard n4096 n8192 n1024); do
+        dir="$OUT/attention/$part"
+        echo "-- attention $part"
+        case $part in
+            leaderboard) run "$dir.log" 180 "$PY" bench_attention.py --preset leaderboard --no-plots --graph-timing \
+                             --out "$dir" ;;
+            n4096) run "$dir.log" 120 "$PY" bench_attention.py --batch 1 --heads 16 --seq-lens 4096 --d-heads 64 \
+                       --causal yes "${PEERS[@]}" --graph-timing --out "$dir" ;;
+            n8192) run "$dir.log" 240 "$PY" bench_attention.py --batch 2 --heads 16 --seq-lens 8192 --d-heads 64,128 \
+                       --causal both "${PEERS[@]}" --out "$dir" ;;
+            n1024) run "$dir.log" 120 "$PY" bench_attention.py --batch 4 --heads 20 --seq-lens 1024 --d-heads 64 \
+                       --causal yes "${PEERS[@]}" --graph-timing --out "$dir" ;;
+            *) echo "unknown part attention:$part (leaderboard, n4096, n8192, n1024)"; STATUS=1 ;;
+        esac
+    done
+    SUMMARIES+=(summary_attention)
+}
+summary_attention() {
+    echo "## attention: ms, bf16 ($OUT/attention/*/results.json)"
+    summarize attention "$OUT"/attention/*/results.json
+}
+
+# --- train-steps -----------------------------------------------------------------------------------------------
+shape() {  # the batch and context of each training-step config
+    case $1 in
+        small) echo "--batch-size 16 --context-lengths 1024" ;;
+        large) echo "--batch-size 4 --context-lengths 1024" ;;
+        2.7B) echo "--batch-size 4 --context-lengths 512" ;;
+        *) return 1 ;;
+    esac
+}
+step_train_steps() {
+    local size
+    for size in $(parts "$1" small large 2.7B); do
+        echo "-- train-steps $size"
+        shape "$size" > /dev/null || { echo "unknown part train-steps:$size (small, large, 2.7B)"; STATUS=1; continue; }
+        # shellcheck disable=SC2046  # shape's flags are meant to split
+        run "$OUT/train-steps/$size.log" 330 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
+            --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn sdpa,flash --impl ours,hf \
+            --cuda-graph on --overlap-optimizer both --out "$OUT/train-steps/$size"
+    done
+    SUMMARIES+=(summary_train_steps)
+}
+summary_train_steps() {
+    echo "## train-steps: bf16, compiled, CUDA graph ($OUT/train-steps/*/results.json)"
+    summarize train-steps "$OUT"/train-steps/*/results.json
+}
+
+# --- profile ---------------------------------------------------------------------------------------------------
+step_profile() {
+    local size dir trace
+    for size in $(parts "$1" large 2.7B); do
+        echo "-- profile $size"
+        shape "$size" > /dev/null || { echo "unknown part profile:$size (small, large, 2.7B)"; STATUS=1; continue; }
+        dir="$OUT/profile/$size"
+        # shellcheck disable=SC2046
+        run "$dir.log" 240 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 --mode train-step \
+            --no-progress --compile on --attn sdpa --warmup 3 --steps 2 --profile "$dir/prof" --profile-steps 2 \
+            --out "$dir"
+        [ "$DRY_RUN" = 1 ] && { echo "   \$ $PY scripts/kernel_categories.py $dir/prof/trace.json 2 --top 45"; continue; }
+        trace=$(find "$dir/prof" -name trace.json 2>/dev/null | head -1)
+        if [ -n "$trace" ]; then
+            "$PY" scripts/kernel_categories.py "$trace" 2 --top 45 > "$OUT/profile/$size-kernel-categories.txt"
+        else
+            echo "   no trace.json under $dir/prof"; STATUS=1
+        fi
+    done
+    SUMMARIES+=(summary_profile)
+}
+summary_profile() {
+    local f
+    for f in "$OUT"/profile/*-kernel-categories.txt; do
+        [ -f "$f" ] || continue
+        echo "## profile: $f"
+        head -8 "$f"
+    done
+}
+
+# --- distributed -----------------------------------------------------------------------------------------------
+step_distributed() {
+    local dir="$OUT/distributed" part n_gpus
+    local ddp_model fsdp_model common=(--wandb disabled --no-checkpoint --eval-every 0 --eval-batches 1)
+    if [ "${DEVICE:-cuda}" = cpu ]; then  # a tiny stand-in that checks the commands themselves
+        ddp_model=(--size tiny --n-layers 2 --context-length 64 --dtype fp32 --attn sdpa --device cpu)
+        fsdp_model=("${ddp_model[@]}")
+    else
+        ddp_model=(--size large --context-length 1024 --dtype bf16 --attn sdpa)
+        fsdp_model=(--size 10B --context-length 512 --dtype bf16 --attn sdpa)
+        if [ "$DRY_RUN" = 0 ]; then
+            n_gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())") || n_gpus=0
+            if [ "$n_gpus" -lt 2 ]; then echo "distributed needs 2 GPUs, found $n_gpus"; STATUS=1; return; fi
+        fi
+    fi
+    # NVLink multicast (NVLS, symmetric-memory multicast) stays off: the machines these runs were measured on
+    # do not support it.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    # The 10B run allocates and frees tens of GiB at start-up (full weights, then shards): avoid fragmentation.
+    export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+    for part in $(parts "$1" ddp fsdp); do
+        case $part in
+            ddp)  # the same 8 sequences per GPU, so 2 GPUs should move twice the tokens per second
+                local ddp=("${ddp_model[@]}" --data synthetic --steps 30 --warmup-steps 5 --log-every 10 "${common[@]}"
+                           --parallel ddp)
+                torchrun_train "$dir" ddp-1gpu 1 120 "${ddp[@]}" --batch-size 8
+                torchrun_train "$dir" ddp-2gpu 2 120 "${ddp[@]}" --batch-size 16 ;;
+            fsdp)  # this initialisation spikes the loss in the first steps at every size, in one process too; a
+                   # peak LR of 3e-4 after 2 warm-up steps diverged on 2 H200s, 1.5e-4 after 10 falls
+                torchrun_train "$dir" fsdp-10B-2gpu 2 200 "${fsdp_model[@]}" --batch-size 4 --steps 40 \
+                    --warmup-steps 10 --lr 1.5e-4 --min-lr 1.5e-5 --log-every 2 --activation-checkpointing \
+                    "${common[@]}" --parallel fsdp ;;
+            *) echo "unknown part distributed:$part (ddp, fsdp)"; STATUS=1 ;;
+        esac
+    done
+    SUMMARIES+=(summary_distributed)
+}
+torchrun_train() {  # torchrun_train DIR NAME NPROC LIMIT_S ARGS...: train.py into DIR/NAME, log DIR/NAME.log
+    local dir=$1 name=$2 nproc=$3 limit=$4
+    shift 4
+    echo "-- distributed $name"
+    [ "$DRY_RUN" = 1 ] || rm -rf "${dir:?}/$name"
+    OMP_NUM_THREADS=4 run "$dir/$name.log" "$limit" "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node "$nproc" train.py --out "$dir/$name" "$@"
+}
+summary_distributed() {
+    echo "## distributed ($OUT/distributed/*/metrics.jsonl)"
+    summarize distributed "$OUT/distributed"
+}
+
+# --- the summary tables ----------------------------------------------------------------------------------------
+summarize() {  # summarize KIND PATH...: the table of one step, from the files its commands wrote
+    "$PY" - "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+
+kind, paths = sys.argv[1], [Path(p) for p in sys.argv[2:]]
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+if kind == "attention":
+    print(f"{'shape':<26} {'backend':<11} {'fwd':>7} {'TFLOP/s':>7} {'bwd':>7} {'fwd+bwd':>8} {'graphed':>8}  status")
+    for path in paths:
+        if not path.exists():
+            continue
+        for r in json.loads(path.read_text())["rows"]:
+            shape = (f"B{r['batch']} H{r['heads']} N{r['seq']} D{r['d_head']}"
+                     f" {'causal' if r['causal'] else 'no mask'}")
+            print(f"{shape:<26} {r['backend']:<11} {fmt(r.get('fwd_ms')):>7} {fmt(r.get('fwd_tflops'), '.0f'):>7}"
+                  f" {fmt(r.get('bwd_ms')):>7} {fmt(r.get('fwdbwd_ms')):>8} {fmt(r.get('fwdbwd_graph_ms')):>8}"
+                  f"  {r['status']}")
+elif kind == "train-steps":
+    print(f"{'size':<6} {'impl':<5} {'attn':<6} {'AdamW':<10} {'ms':>16} {'tokens/s':>9} {'MFU':>6} {'GiB':>6}  status")
+    for path in paths:
+        if not path.exists():
+            continue
+        for r in json.loads(path.read_text())["rows"]:
+            adamw = "overlapped" if r.get("overlap_optimizer") else "after"
+            ms = f"{fmt(r.get('total_ms_mean'), '.2f')} ± {fmt(r.get('total_ms_std'), '.2f')}"
+            mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+            print(f"{r['size']:<6} {r['impl']:<5} {r['attn']:<6} {adamw:<10} {ms:>16}"
+                  f" {fmt(r.get('tokens_per_s'), ',.0f'):>9} {mfu:>6} {fmt(r.get('peak_mem_gib'), '.2f'):>6}"
+                  f"  {r['status']}")
+elif kind == "distributed":
+    logs = paths[0]
+
+    def rows(name):
+        path = logs / name / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    print(f"{'run':<15} {'tokens/s':>10} {'step ms':>8} {'MFU':>6} {'peak GiB/rank':>14}  losses")
+    for name in ("ddp-1gpu", "ddp-2gpu", "fsdp-10B-2gpu"):
+        r = rows(name)
+        if not r:
+            continue
+        last = r[-1]  # the last logging window: steady state, warm-up excluded
+        mfu = f"{100 * last['mfu']:.1f}%" if last.get("mfu") is not None else "-"
+        peak = f"{last['mem_peak_gib']:.1f}" if "mem_peak_gib" in last else "-"
+        losses = " ".join(f"{x['loss']:.3f}" for x in r)
+        print(f"{name:<15} {last['tokens_per_s']:>10,.0f} {last['step_ms']:>8.0f} {mfu:>6} {peak:>14}  {losses}")
+    one, two = rows("ddp-1gpu"), rows("ddp-2gpu")
+    if one and two:
+        ratio = two[-1]["tokens_per_s"] / one[-1]["tokens_per_s"]
+        print(f"\nDDP 2 GPUs / 1 GPU tokens/s: {ratio:.2f}x (goal >= 1.85x): {'ok' if ratio >= 1.85 else 'BELOW GOAL'}")
+    fsdp = rows("fsdp-10B-2gpu")
+    if fsdp:
+        falling = fsdp[-1]["loss"] < fsdp[0]["loss"]
+        print(f"FSDP 10B loss {fsdp[0]['loss']:.3f} -> {fsdp[-1]['loss']:.3f}: {'falling' if falling else 'NOT FALLING'}")
+EOF
+}
+
+# --- main ------------------------------------------------------------------------------------------------------
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+
+steps=()
+for arg in "$@"; do
+    case $arg in
+        -n|--dry-run) DRY_RUN=1 ;;
+        -h|--help) usage; exit 0 ;;
+        tests|attention*|train-steps*|profile*|distributed*) steps+=("$arg") ;;
+        *) echo "unknown step '$arg'; steps: tests attention train-steps profile distributed (--help)" >&2; exit 2 ;;
+    esac
+done
+[ ${#steps[@]} -eq 0 ] && { usage; exit 2; }
+
+mkdir -p "$OUT"
+if [ -d .wheels ] && [ "$DRY_RUN" = 0 ]; then  # what the GPU image lacks, without network access
+    wheels=(einx wandb)
+    [[ " ${steps[*]}" == *" train-steps"* ]] && wheels+=(transformers)
+    "$PY" -m pip install -q --no-index --find-links .wheels "${wheels[@]}" || echo "warning: installing ${wheels[*]} from .wheels failed"
+fi
+
+for spec in "${steps[@]}"; do
+    name=${spec%%:*}
+    echo "== $(date +%T) $spec"
+    start=$SECONDS
+    before=$STATUS
+    STATUS=0
+    "step_${name//-/_}" "$spec"
+    STEP_TABLE+=("$(printf '%-40s %-6s %6ss' "$spec" "$([ $STATUS = 0 ] && echo ok || echo FAILED)" $((SECONDS - start)))")
+    [ $before = 1 ] && STATUS=1
+done
+echo "== $(date +%T) done"
+
+[ "$DRY_RUN" = 1 ] && exit 0
+echo
+printf '%s\n' "${STEP_TABLE[@]}"
+for summary in "${SUMMARIES[@]}"; do
+    echo
+    "$summary"
+done
+exit $STATUS

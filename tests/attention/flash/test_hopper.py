@@ -1,0 +1,361 @@
+"""flash's Gluon Hopper kernels (attention/flash/hopper.py): which inputs they take, the 2-D views their descriptors
+read, and on an sm_90 GPU the forward's O and L and the backward's dQ, dK, dV against float64, through flash's
+dispatch, autograd and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.flash import flash_attention, flash_backward, flash_forward, hopper, use_kernels
+from attention.flash.hopper import HopperTiles
+
+CUDA = torch.cuda.is_available()
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper._gluon_problem() is None
+requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and triton's Gluon")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def randn(*shape, seed=0, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def make_qkv(b, h, n, d, dtype, layout, seed=0, device=DEVICE):
+    """(batch, heads, seq, d) tensors in (batch, heads, seq, d) or (batch, seq, heads, d) memory."""
+    if layout == "bshd":
+        return [randn(b, n, h, d, seed=seed + i, dtype=dtype, device=device).transpose(1, 2) for i in range(3)]
+    return [randn(b, h, n, d, seed=seed + i, dtype=dtype, device=device) for i in range(3)]
+
+
+def reference(q, k, v, causal, scale):
+    """(o, lse) in float64 on the CPU, by the naive formula."""
+    return attention64(*(t.detach().cpu().double() for t in (q, k, v)), causal, scale)
+
+
+def attention64(q, k, v, causal, scale):
+    """(o, lse) of float64 tensors, differentiable."""
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def rel(a, b):
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 8), (1, 3, 5, 8), (2, 1, 5, 8), (2, 3, 1, 8)], ids=str)
+def test_rows_view_addresses_every_element(layout, shape):
+    b, h, n, d = shape
+    t = make_qkv(b, h, n, d, torch.float32, layout, device="cpu")[0]
+    view, rows_b, rows_h, cols_h = hopper.rows_view(t)
+    assert view.data_ptr() == t.data_ptr() and view.dim() == 2
+    for bi in range(b):
+        for hi in range(h):
+            for pos in range(n):
+                row = bi * rows_b + hi * rows_h + pos
+                assert torch.equal(view[row, hi * cols_h: hi * cols_h + d], t[bi, hi, pos])
+
+
+def test_rows_view_refuses_other_memory_orders():
+    t = randn(2, 3, 8, 5, device="cpu")
+    assert hopper.rows_view(t.transpose(-2, -1)) is None  # d not contiguous
+    assert hopper.rows_view(randn(3, 2, 5, 8, device="cpu").transpose(0, 1)) is None  # (heads, batch, seq, d)
+    assert hopper.rows_view(randn(2, 3, 10, 8, device="cpu")[:, :, ::2]) is None  # strided seq
+
+
+@pytest.mark.skipif(hopper._gluon_problem() is not None, reason="needs triton's Gluon")
+def test_output_descriptor_needs_the_input_memory_order():
+    q = randn(2, 3, 128, 64, dtype=torch.bfloat16, device="cpu")
+    _, q_index = hopper._descriptor(q, 64)
+    assert q_index == (3 * 128, 128, 0)
+    assert hopper._output_descriptor(torch.empty_like(q), q_index, 64).block_shape == [64, 64]
+    other_order = randn(2, 128, 3, 64, dtype=torch.bfloat16, device="cpu").transpose(1, 2)
+    with pytest.raises(ValueError, match="memory order"):
+        hopper._output_descriptor(other_order, q_index, 64)
+
+
+@pytest.mark.skipif(hopper._gluon_problem() is not None, reason="needs triton's Gluon")
+def test_row_stats_descriptor_covers_the_flat_vector():
+    lse = randn(2 * 3, 256, device="cpu")  # (batch * heads, seq) fp32
+    desc = hopper._row_stats_descriptor(lse, 64)
+    assert list(desc.shape) == [2 * 3 * 256] and list(desc.block_shape) == [64] and desc.base.data_ptr() == lse.data_ptr()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        hopper._row_stats_descriptor(randn(256, 6, device="cpu").t(), 64)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        hopper._row_stats_descriptor(lse.double(), 64)
+
+
+def test_forward_problem_names_the_reason():
+    q = randn(1, 2, 128, 64, device="cpu")
+    assert hopper.forward_problem(q, q, q, True) == "the Hopper kernels need CUDA tensors"
+    assert hopper.backward_problem(q, q, q, q, True) == "the Hopper kernels need CUDA tensors"
+    assert "got dO torch.float16 and q torch.float32" in hopper.backward_problem(q, q, q, q.half(), True)
+
+
+@requires_hopper
+@pytest.mark.parametrize("q_shape, k_len, dtype, message", [
+    ((1, 2, 128, 80), 128, torch.bfloat16, "head dims"),
+    ((1, 2, 128, 64), 128, torch.float32, "float16 and bfloat16"),
+    ((1, 2, 200, 64), 200, torch.bfloat16, "multiple of 128"),
+    ((1, 2, 128, 64), 256, torch.bfloat16, "as many keys as queries"),
+], ids=["d80", "fp32", "n200", "n_k"])
+def test_forward_problem_on_the_gpu(monkeypatch, q_shape, k_len, dtype, message):
+    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    b, h, n, d = q_shape
+    q = randn(b, h, n, d, dtype=dtype)
+    k = randn(b, h, k_len, d, dtype=dtype)
+    assert message in hopper.forward_problem(q, k, k, False)
+    assert message in hopper.backward_problem(q, k, k, q, False)
+    ok = randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    assert hopper.forward_problem(ok, ok, ok, True) is None
+    assert hopper.backward_problem(ok, ok, ok, ok, True) is None
+    assert "need dO in (batch, heads, seq, d)" in hopper.backward_problem(ok, ok, ok, ok.transpose(-2, -1), True)
+    monkeypatch.setattr(hopper, "MIN_SCORES", 2**16 + 1)  # 2 * 256^2 / 2 = 2^16 causal scores
+    assert "too few" in hopper.forward_problem(ok, ok, ok, True)
+    assert hopper.forward_problem(ok, ok, ok, False) is None
+    # Replayed from a CUDA graph, host time does not count: the backward takes any size, the d-64 forward from
+    # REPLAYED_FORWARD_MIN_SCORES.
+    assert hopper.backward_problem(ok, ok, ok, ok, True, replayed=True) is None
+    assert "less GPU time" in hopper.forward_problem(ok, ok, ok, True, replayed=True)
+
+
+def test_min_scores_depend_on_pass_head_dim_and_replay(monkeypatch):
+    monkeypatch.setattr(hopper, "MIN_SCORES", 2**28)
+    monkeypatch.setattr(hopper, "REPLAYED_FORWARD_MIN_SCORES", {64: 2**27, 128: 0})
+    for d in (64, 128):
+        for pass_name in ("forward", "backward"):
+            assert hopper.min_scores(d, pass_name, replayed=False) == 2**28
+        assert hopper.min_scores(d, "backward", replayed=True) == 0
+    assert hopper.min_scores(64, "forward", replayed=True) == 2**27
+    assert hopper.min_scores(128, "forward", replayed=True) == 0
+
+
+def test_three_consumers_only_when_every_sm_gets_four_programs():
+    assert hopper.tiles_for(64, 16384, 16, 132).consumers == 3  # 16 * 86 programs
+    assert hopper.tiles_for(64, 4096, 16, 132).consumers == 2  # 16 * 22 = 352 < 528
+    for d in hopper.HEAD_DIMS:
+        for t in (hopper.tiles_for(d, 16384, 16, 132), hopper.tiles_for(d, 128, 1, 132)):
+            assert hopper.SEQ_MULTIPLE % t.block_n == 0 and hopper.SEQ_MULTIPLE % t.block_m == 0
+
+
+def test_backward_tiles():
+    assert hopper.backward_tiles_for(64, 16384, 16, 132)["dq"].consumers == 3
+    assert hopper.backward_tiles_for(64, 4096, 16, 132)["dq"].consumers == 2
+    for d in hopper.HEAD_DIMS:
+        for n, bh in ((16384, 16), (128, 1)):
+            for kernel, t in hopper.backward_tiles_for(d, n, bh, 132).items():
+                assert hopper.SEQ_MULTIPLE % t.block_n == 0 and hopper.SEQ_MULTIPLE % t.block_m == 0
+                # two resident and `stages` pairs of streamed bf16 tiles, and for dK/dV the streamed tiles' fp32 L
+                # and delta, in one SM's 227 KB of shared memory
+                stats = 2 * t.stages * t.block_n * 4 if kernel == "dkdv" else 0
+                assert (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 + stats <= 227 * 1024
+
+
+TILES = [HopperTiles(consumers=2, block_n=128, stages=3), HopperTiles(consumers=3, block_n=128, stages=3),
+         HopperTiles(consumers=2, block_n=64, stages=4), HopperTiles(consumers=3, block_n=64, stages=3)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"c{t.consumers}-n{t.block_n}-s{t.stages}")
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("b, h, n, d", [(1, 2, 128, 64), (2, 3, 384, 64), (1, 2, 640, 128), (1, 1, 1024, 64)],
+                         ids=str)
+def test_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
+    if d == 128 and tiles.block_n == 128 and tiles.consumers == 3:
+        pytest.skip("3 query and 6 key/value tiles of 128 x 128 take 240 KB of shared memory; an SM has 227")
+    q, k, v = make_qkv(b, h, n, d, dtype, layout, seed=n + d)
+    scale = d ** -0.5
+    o = torch.full_like(q, float("nan"))  # every element must be written
+    lse = torch.full((b, h, n), float("nan"), device=DEVICE)
+    hopper.forward(q, k, v, o, lse, causal, scale, tiles)
+    o_ref, lse_ref = reference(q, k, v, causal, scale)
+    assert o.stride() == q.stride()
+    assert rel(o, o_ref) <= TOLERANCE[dtype], rel(o, o_ref)
+    assert (lse.cpu().double() - lse_ref).abs().max().item() < 1e-4
+
+
+@requires_hopper
+def test_flash_runs_it_unless_triton_is_asked_for(monkeypatch):
+    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    calls = []
+    real = hopper.forward
+    monkeypatch.setattr(hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bshd", seed=3)  # batch 2: a size-1 dim's stride is free
+    o_hopper, lse_hopper = flash_forward(q, k, v, True, 0.125)
+    assert calls == [1]
+    with use_kernels("triton"):
+        o_triton, lse_triton = flash_forward(q, k, v, True, 0.125)
+    assert calls == [1]
+    assert o_hopper.stride() == o_triton.stride()  # both in q's memory order
+    torch.testing.assert_close(o_hopper, o_triton, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse_hopper, lse_triton, atol=1e-4, rtol=0)
+
+
+@requires_hopper
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gradients_through_flash_match_float64(monkeypatch, compiled):
+    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    calls = []
+    for kernel in ("forward", "backward"):
+        real = getattr(hopper, kernel)
+        monkeypatch.setattr(hopper, kernel, lambda *a, real=real, kernel=kernel, **kw: calls.append(kernel)
+                            or real(*a, **kw))
+    torch._dynamo.reset()
+    flash = flash_attention
+    fn = torch.compile(flash, fullgraph=True) if compiled else flash
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 256, 64, torch.bfloat16, "bshd", seed=5))
+    o = fn(q, k, v, True, 0.125)
+    do = randn(*o.shape, seed=9, dtype=torch.bfloat16)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    s = (q64 @ k64.transpose(-2, -1) * 0.125).masked_fill(torch.ones(256, 256, dtype=torch.bool).triu(1),
+                                                           float("-inf"))
+    o64 = torch.softmax(s, dim=-1) @ v64
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    assert set(calls) == {"forward", "backward"}, calls
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
+        assert rel(got, want) <= 2e-2, name
+
+
+BACKWARD_TILES = [
+    {"dkdv": HopperTiles(2, 64, 4), "dq": HopperTiles(2, 64, 3)},
+    {"dkdv": HopperTiles(2, 32, 4), "dq": HopperTiles(3, 64, 3)},
+    {"dkdv": HopperTiles(3, 64, 2), "dq": HopperTiles(2, 128, 3)},
+]
+
+def _tiles_id(tiles):
+    return "-".join(f"{k}c{t.consumers}n{t.block_n}s{t.stages}" for k, t in tiles.items())
+
+
+def _backward_smem(t: HopperTiles, d: int) -> int:
+    return (2 * t.rows + 2 * t.stages * t.block_n) * d * 2  # two resident and two streamed bf16 tiles
+
+
+def gradients_reference(q, k, v, do, causal, scale):
+    """(o, lse, dq, dk, dv) in float64 on the CPU."""
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    o64, lse64 = attention64(q64, k64, v64, causal, scale)
+    return (o64.detach(), lse64.detach(), *torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double()))
+
+
+@requires_hopper
+@pytest.mark.parametrize("tiles", BACKWARD_TILES, ids=_tiles_id)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("b, h, n, d", [(1, 2, 128, 64), (2, 3, 384, 64), (1, 2, 640, 128), (1, 1, 1024, 64)],
+                         ids=str)
+def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
+    if any(_backward_smem(t, d) > 227 * 1024 for t in tiles.values()):
+        pytest.skip("these tiles take more shared memory than an SM has at d 128")
+    q, k, v = make_qkv(b, h, n, d, dtype, layout, seed=n + d)
+    other = "bhsd" if layout == "bshd" else "bshd"  # dO arrives in its own memory order
+    do = make_qkv(b, h, n, d, dtype, other, seed=7 * n)[0]
+    scale = d ** -0.5
+    o64, lse64, *grads64 = gradients_reference(q, k, v, do, causal, scale)
+    o = o64.to(DEVICE, dtype)
+    lse = lse64.to(DEVICE, torch.float32).contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # every element must be written
+    hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles)
+    for name, got, want, like in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, (q, k, v)):
+        assert got.stride() == like.stride(), name
+        assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
+
+
+@requires_hopper
+def test_flash_backward_runs_it_unless_triton_is_asked_for(monkeypatch):
+    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    calls = []
+    real = hopper.backward
+    monkeypatch.setattr(hopper, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bshd", seed=3)
+    do = randn(2, 4, 512, 64, seed=4, dtype=torch.bfloat16)
+    o, lse = flash_forward(q, k, v, True, 0.125)
+    hopper_grads = flash_backward(q, k, v, o, lse, do, True, 0.125)
+    assert calls == [1]
+    with use_kernels("triton"):
+        triton_grads = flash_backward(q, k, v, o, lse, do, True, 0.125)
+    assert calls == [1]
+    for got, want in zip(hopper_grads, triton_grads):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    repeat = flash_backward(q, k, v, o, lse, do, True, 0.125)
+    assert calls == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(repeat, hopper_grads)), "the Hopper backward is not deterministic"
+
+
+@requires_hopper
+def test_backward_replays_in_a_cuda_graph(monkeypatch):
+    """dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager result."""
+    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bhsd", seed=11)
+    do = randn(2, 4, 512, 64, seed=12, dtype=torch.bfloat16)
+    o, lse = flash_forward(q, k, v, True, 0.125)
+    eager = flash_backward(q, k, v, o, lse, do, True, 0.125)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as torch.cuda.graphs asks
+        flash_backward(q, k, v, o, lse, do, True, 0.125)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_backward(q, k, v, o, lse, do, True, 0.125)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+
+
+@requires_hopper
+def test_short_problems_take_the_hopper_kernels_only_when_replayed(monkeypatch):
+    """Below MIN_SCORES eager calls keep the Triton kernels; a captured call takes the Hopper backward (any size) and
+    the Hopper forward at d 128, and its replay gives what the eager call gave."""
+    from attention import get_attention, graph_replay
+
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(hopper, name)
+        monkeypatch.setattr(hopper, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name)
+                            or _real(*a, **kw))
+    flash = get_attention("flash")
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 256, 128, torch.bfloat16, "bshd", seed=21))
+    do = randn(2, 4, 256, 128, seed=22, dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        out = flash(q, k, v, causal=True)
+        out.backward(do)
+        return out
+
+    # Detached: a live eager graph would keep AccumulateGrad nodes made on the default stream, which a capture
+    # cannot wait on.
+    eager = [fwd_bwd().detach(), q.grad, k.grad, v.grad]
+    assert calls == []  # 2 * 4 * 256^2 / 2 scores: far below MIN_SCORES
+    with graph_replay():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: the Hopper kernels compile here, not during the capture
+            fwd_bwd()
+        torch.cuda.current_stream().wait_stream(side)
+        calls.clear()
+        q.grad = k.grad = v.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flash(q, k, v, causal=True)
+            out.backward(do)
+    assert calls == ["forward", "backward"]
+    replayed = [out.detach(), q.grad, k.grad, v.grad]  # detach: the same memory, without the autograd view rules
+    for t in replayed:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(replayed, eager):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,62 @@
+"""flash's Gluon Hopper kernels compile for sm_90 with the installed Triton, on any machine (no GPU needed).
+
+A Triton release can rename what the kernels call (3.9 made `tma.async_copy_global_to_shared` raise), which would
+otherwise surface only as a compile error at the first Hopper launch of a user's run. Compiling needs triton's
+NVIDIA backend and the Gluon Hopper API; each kernel takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import triton
+
+from attention.flash import hopper
+from attention.flash.hopper import HopperTiles
+from attention.flash.hopper_resources import dispatch_configs, main, resources
+
+H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block of an H100 can take
+
+if hopper._gluon_problem() is not None:
+    pytest.skip(hopper._gluon_problem(), allow_module_level=True)
+
+# One config per kernel and head dim, as the dispatch picks them on an H100 (the full list: dispatch_configs()).
+CONFIGS = [("fwd", 64, HopperTiles(3, 128, 3)), ("fwd", 128, HopperTiles(3, 64, 3)), ("dkdv", 64, HopperTiles(2, 64, 4)),
+           ("dkdv", 128, HopperTiles(2, 32, 4)), ("dq", 64, HopperTiles(3, 64, 4)), ("dq", 128, HopperTiles(2, 64, 4))]
+
+
+def test_configs_are_the_dispatchs():
+    picked = {(kind, d, t) for kind, d, t, _ in dispatch_configs()}
+    assert set(CONFIGS) <= picked
+
+
+@pytest.mark.parametrize("kind,d,tiles", CONFIGS, ids=[f"{k}-d{d}-c{t.consumers}n{t.block_n}s{t.stages}"
+                                                      for k, d, t in CONFIGS])
+def test_kernel_compiles_for_sm90_within_shared_memory(kind, d, tiles):
+    r = resources(kind, d, tiles, causal=True)
+    # At least the kernel's own bf16 tiles: the resident ones (Q; K and V; Q and dO) and a ring of two streamed tensors.
+    resident = 1 if kind == "fwd" else 2
+    tiles_bytes = (resident * tiles.rows + 2 * tiles.stages * tiles.block_n) * d * 2
+    assert tiles_bytes <= r.shared_bytes <= H100_SHARED_BYTES, f"{r.shared_bytes} bytes of shared memory"
+    assert r.warps >= 4 * tiles.consumers + 1  # a warpgroup per consumer, and the producer's warp
+    if r.registers is not None:  # one block must fit the SM's 65536 registers
+        assert r.registers * 32 * r.warps <= 65536
+    # The tiles were chosen on the GPU machine's triton 3.6, where none of them spills; other releases differ
+    # (3.9 spills the three-consumer d-64 forward), so this holds only there.
+    if triton.__version__.startswith("3.6.") and r.spill_bytes is not None:
+        assert r.spill_bytes == 0, f"{kind} d{d} {tiles} spills {r.spill_bytes} bytes under triton 3.6"
+
+
+def test_report_prints_a_row_per_config(capsys):
+    main(["dq,64,2,64,4", "dkdv,128,2,32,4,0"])
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0].split()[:2] == ["kernel", "d"]
+    assert [r.split()[:2] for r in rows[1:]] == [["dq", "64"], ["dkdv", "128"]]
+    assert rows[2].split()[6] == "False"
+
+
+def test_bad_config_is_refused():
+    for spec in ("dq,64,2", "bwd,64,2,64,4", "dq,64,two,64,4"):
+        with pytest.raises(SystemExit):
+            main([spec])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        resources("bwd", 64, HopperTiles(2, 64, 4))

@@ -1,0 +1,376 @@
+"""`flash` through its Triton kernels (attention/flash/triton.py) against a float64 reference; without a GPU they run
+in the Triton interpreter (conftest.py switches it on). `flash_case` is parametrized by conftest.FLASH_CASES."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention import UnsupportedInputError, get_attention, list_attention, why_not
+from attention.flash import FlashAttentionTriton, Tiles, flash_backward, flash_forward, hopper, use_kernels
+from attention.flash import triton as flash_triton
+from attention.flash.common import empty, nan_filled_outputs
+from tests.attention.conftest import dtype_id, randn
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# The interpreter's bf16 arithmetic is wrong, so bf16 is tested on the GPU only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+REPO_ROOT = Path(__file__).resolve().parents[3]
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def triton_kernels():
+    """These tests are of the Triton kernels: on a Hopper GPU too (tests/attention/flash/test_hopper.py has the others)."""
+    with use_kernels("triton"):
+        yield
+
+
+def run_flash(q, k, v, causal, scale):
+    return FlashAttentionTriton.apply(q, k, v, causal, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_matches_float64_reference(flash_case, dtype, check_flash):
+    check_flash(run_flash, flash_case, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_backward_is_bitwise_deterministic(dtype):
+    q, k, v = (randn(1, 2, 100, 48, dtype=dtype, seed=s).requires_grad_() for s in range(3))
+    o = FlashAttentionTriton.apply(q, k, v, True)
+    do = randn(*o.shape, dtype=dtype, seed=3)
+    first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    second = torch.autograd.grad(o, (q, k, v), do)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{name} differs between two backward passes"
+    assert torch.equal(o, FlashAttentionTriton.apply(q, k, v, True)), "forward differs between two runs"
+
+
+@pytest.mark.parametrize("causal, n_q, n_k", [(True, 100, 100), (False, 100, 37)], ids=["causal", "q100-k37"])
+def test_every_output_element_is_written(check_every_element_written, causal, n_q, n_k):
+    check_every_element_written(FlashAttentionTriton, causal, n_q, n_k)
+
+
+def test_outputs_follow_the_memory_order_of_their_inputs():
+    """(b, h, s, d) views of (b, s, h, d) storage get o and grads in that order (every element written); 5-d inputs
+    get contiguous ones, which the kernels can address as (b * h, s, d)."""
+    q, k, v = (randn(2, 40, 3, 32, seed=s).transpose(1, 2).requires_grad_() for s in range(3))
+    with nan_filled_outputs():
+        assert empty((2,), torch.float32, DEVICE).isnan().all(), "outputs must start as NaN"
+        o = FlashAttentionTriton.apply(q, k, v, True)
+        grads = torch.autograd.grad(o, (q, k, v), randn(*o.shape, seed=3))
+    for name, t, like in zip(("o", "dq", "dk", "dv"), (o, *grads), (q, q, k, v)):
+        assert t.stride() == like.stride(), f"{name} has strides {t.stride()}, its input {like.stride()}"
+        assert not t.isnan().any(), f"{name} has elements the kernels never wrote"
+    assert o.transpose(1, 2).is_contiguous()  # so "b h s d -> b s (h d)" is a view
+    q5, k5, v5 = (randn(2, 2, 2, 24, 16, seed=s).requires_grad_() for s in range(3))
+    o5 = FlashAttentionTriton.apply(q5, k5, v5, False)
+    assert o5.is_contiguous() and all(g.is_contiguous() for g in torch.autograd.grad(o5.sum(), (q5, k5, v5)))
+
+
+# Padded keys overflow exp2 in rows that are computed but never stored; the CPU interpreter (numpy) warns.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_very_negative_scores_with_a_ragged_key_tile(dtype, flash_reference, rel_error, tolerance):
+    """Every score near -200: L is very negative, so exp(-L) for a padded key would overflow if not masked."""
+    d, n_q, n_k = 16, 40, 37
+    u = 7 * randn(d, seed=0)  # q ~ -u and k ~ u, so q . k ~ -|u|^2
+    q = (-u + randn(1, 2, n_q, d, seed=1)).to(dtype).requires_grad_()
+    k = (u + randn(1, 2, n_k, d, seed=2)).to(dtype).requires_grad_()
+    v = randn(1, 2, n_k, d, dtype=dtype, seed=3).requires_grad_()
+    o = FlashAttentionTriton.apply(q, k, v, False)
+    do = randn(*o.shape, dtype=dtype, seed=4)
+    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+    _, lse, *_ = ref = flash_reference(q, k, v, False, 1 / math.sqrt(d), do)
+    assert lse.max() < -100, "the scores must be very negative for this test to mean anything"
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, (ref[0], *ref[2:])):
+        # k = u + noise with |u| ~ 28 and each row of dS summing to 0: dq = dS @ k cancels the u part, and
+        # rounding dS to bf16 (as FlashAttention-2 does, for the tensor cores) leaves ~|u| * 2^-8 of it, so
+        # bf16 dq carries ~5% error against float64 here. The point of this test is finiteness and masking.
+        limit = 0.1 if (dtype == torch.bfloat16 and name == "dq") else tolerance[dtype]
+        assert rel_error(a, b) <= limit, name
+
+
+def test_saved_tensors_are_linear_in_seq(check_saved_tensors_are_linear_in_seq):
+    check_saved_tensors_are_linear_in_seq(FlashAttentionTriton)
+
+
+def test_registry_lists_and_runs_flash():
+    rows = {r.name: r for r in list_attention()}
+    names = list(rows)
+    assert names.index("flash") < names.index("flash-torch")
+    assert rows["flash"].available, rows["flash"].reason
+    q, k, v = (randn(2, 1, 40, 32, seed=s) for s in range(3))
+    out = get_attention("flash")(q, k, v, causal=True)
+    assert torch.equal(out, FlashAttentionTriton.apply(q, k, v, True))
+    assert why_not("flash", q, k, v, True) is None
+
+
+BAD_INPUTS = [
+    # id, q shape, k shape, v shape, dtypes (q, k, v), causal, scale, message
+    ("k-v-shapes", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 9, 16), None, False, None, "k and v must have the same shape"),
+    ("dtypes", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), (torch.float32, torch.float16, torch.float32), False,
+     None, "must share a dtype"),
+    ("head-dim-8", (1, 1, 8, 8), (1, 1, 8, 8), (1, 1, 8, 8), None, False, None,
+     r"head dim 8 is not supported: flash needs 16 <= d_head <= 256"),
+    ("head-dim-320", (1, 1, 8, 320), (1, 1, 8, 320), (1, 1, 8, 320), None, False, None, r"head dim 320 is not supp"),
+    ("float64", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), (torch.float64,) * 3, False, None,
+     r"dtype torch\.float64 is not supported"),
+    ("causal-lengths", (1, 1, 8, 16), (1, 1, 9, 16), (1, 1, 9, 16), None, True, None,
+     "causal attention needs equal query and key lengths"),
+    ("scale-negative", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), None, False, -1.0, "finite positive scale"),
+    ("scale-nan", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), None, False, float("nan"), "finite positive scale"),
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Bad input must be refused before any kernel is loaded or launched."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel was loaded or launched for bad input")
+
+    for module, name in ((flash_triton, "_kernels"), (flash_triton, "_launch"), (flash_triton, "forward"),
+                         (hopper, "run_forward")):
+        monkeypatch.setattr(module, name, launched)
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape, dtypes, causal, scale, message",
+    [case[1:] for case in BAD_INPUTS],
+    ids=[case[0] for case in BAD_INPUTS],
+)
+def test_bad_input_is_refused_with_its_reason(no_launch, q_shape, k_shape, v_shape, dtypes, causal, scale, message):
+    dtypes = dtypes or (torch.float32,) * 3
+    q, k, v = (randn(*s, dtype=dt, seed=i) for i, (s, dt) in enumerate(zip((q_shape, k_shape, v_shape), dtypes)))
+    with pytest.raises(UnsupportedInputError, match=message):
+        FlashAttentionTriton.apply(q, k, v, causal, scale)
+    if scale is None:  # the registry path gives the same reason, and why_not reports it without raising
+        with pytest.raises(UnsupportedInputError, match=message):
+            get_attention("flash")(q, k, v, causal=causal)
+        assert why_not("flash", q, k, v, causal) is not None
+
+
+def test_cpu_tensors_without_interpreter_are_refused(no_launch, monkeypatch):
+    monkeypatch.setattr(flash_triton, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the environment check
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(UnsupportedInputError, match="CPU tensors need TRITON_INTERPRET=1"):
+        FlashAttentionTriton.apply(q, q, q, False)
+    assert "CPU tensors need TRITON_INTERPRET=1" in why_not("flash", q, q, q, False)
+
+
+def run_python(code: str, drop_env: tuple[str, ...] = ()) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_without_triton_reports_why():
+    out = run_python(
+        "import sys; sys.modules['triton'] = None  # any `import triton` now raises ImportError\n"
+        "import torch\n"
+        "from attention import UnsupportedInputError, list_attention\n"
+        "from attention.flash import FlashAttentionTriton\n"
+        "rows = {r.name: r for r in list_attention()}\n"
+        "assert rows['flash-torch'].available\n"
+        "print('REASON', rows['flash'].available, rows['flash'].reason)\n"
+        "q = torch.randn(1, 1, 8, 16)\n"
+        "try:\n"
+        "    FlashAttentionTriton.apply(q, q, q, True)\n"
+        "except UnsupportedInputError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    assert "REASON False triton is not installed" in out
+    assert "ERROR attention backend 'flash' cannot run this input: triton is not installed" in out
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message on a machine without a GPU")
+def test_import_without_gpu_or_interpreter_reports_why():
+    out = run_python(
+        "from attention import list_attention\n"
+        "rows = {r.name: r for r in list_attention()}\n"
+        "print('REASON', rows['flash'].available, rows['flash'].reason)\n",
+        drop_env=("TRITON_INTERPRET",),
+    )
+    assert "REASON False needs a CUDA GPU, or TRITON_INTERPRET=1 for CPU tensors" in out
+
+
+def test_tile_configs_keep_the_causal_band_whole_tiles():
+    """fwd and dq step keys inside a query tile (BLOCK_M % BLOCK_N == 0); dkdv the reverse."""
+    tables = [flash_triton.SEARCH_SPACES, flash_triton.DEFAULT_TILES,
+              {k: [t] for k, t in flash_triton.INTERPRET_TILES.items()}]
+    for table in tables:
+        for kernel, tiles in table.items():
+            for t in tiles:
+                big, small = (t.block_n, t.block_m) if kernel == "dkdv" else (t.block_m, t.block_n)
+                assert big % small == 0 and small >= 16, f"{kernel} {t}"
+
+
+def test_autotuner_is_built_once_per_kernel():
+    """A new Autotuner per launch would re-read its disk cache every call (host time on each attention call)."""
+    pytest.importorskip("triton")
+    for kernel in ("fwd", "dkdv", "dq"):
+        assert flash_triton._autotuned(kernel) is flash_triton._autotuned(kernel)
+    assert flash_triton._autotuned("fwd") is not flash_triton._autotuned("dq")
+
+
+def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
+    """The autotuner runs once per kernel and key; later calls launch its choice without it (host time)."""
+    triton = pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("drives the autotune path with a stand-in tuner on the CPU interpreter")
+    tuned_calls = []
+
+    class StandIn:  # picks the interpreter's tiles, as a real tuner would pick its best config
+        def __init__(self, kernel):
+            self.kernel = kernel
+            t = flash_triton.INTERPRET_TILES[kernel]
+            self.best_config = triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n},
+                                             num_warps=t.num_warps, num_stages=t.num_stages)
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                tuned_calls.append(self.kernel)
+                t = flash_triton._tiles_of(self.best_config)
+                jit_fn = getattr(flash_triton._kernels(), flash_triton._KERNEL_NAMES[self.kernel])
+                jit_fn[grid({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n})](
+                    *args, **meta, **self.best_config.all_kwargs())
+            return run
+
+    tuners = {k: StandIn(k) for k in ("fwd", "dkdv", "dq")}
+    monkeypatch.setattr(flash_triton, "_autotuned", tuners.__getitem__)
+    monkeypatch.setattr(flash_triton, "interpreting", lambda: False)
+    monkeypatch.setattr(flash_triton, "_autotune_enabled", lambda: True)
+    monkeypatch.setattr(flash_triton, "_tuned", {})
+    q, k, v, do = (randn(1, 2, 40, 16, seed=s) for s in range(4))
+    results = []
+    for _ in range(2):  # the kernels directly: the input checks would refuse the patched non-interpreter mode
+        o, lse = flash_triton.forward(q, k, v, True, 0.25)
+        results.append([o, *flash_triton.backward(q, k, v, o, lse, do, True, 0.25)])
+    assert tuned_calls == ["fwd", "dkdv", "dq"]  # the second call went around the tuners
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=0.25)
+    assert torch.allclose(results[1][0].double(), expected, atol=1e-4)
+    q2 = randn(1, 2, 48, 16, seed=5)  # a new key tunes again
+    flash_triton.forward(q2, q2, q2, True, 0.25)
+    assert tuned_calls[-1] == "fwd" and len(tuned_calls) == 4
+
+
+def test_autotune_pruning_respects_shared_memory_and_seq(monkeypatch):
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(flash_triton, "_smem_limit", lambda device_index: 227 * 1024)
+    configs = [
+        triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps, num_stages=t.num_stages)
+        for t in flash_triton.FWD_SEARCH_SPACE
+    ]
+    q = torch.empty(1, 1, 1, 256, dtype=torch.float32)
+    kept = flash_triton._prune("fwd")(configs, {"Q": q, "N_Q": 17, "N_K": 17}, BLOCK_D=256)
+    assert 0 < len(kept) < len(configs)
+    for c in kept:
+        t = Tiles(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+        assert flash_triton._smem_bytes("fwd", t, 256, 4) <= 227 * 1024 and t.block_m <= 64
+    # Nothing fits a tiny limit: the smallest config is kept rather than none.
+    monkeypatch.setattr(flash_triton, "_smem_limit", lambda device_index: 1)
+    assert len(flash_triton._prune("fwd")(configs, {"Q": q, "N_Q": 4096, "N_K": 4096}, BLOCK_D=256)) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU only: long sequences, tensors beyond 2^31 elements, every tile shape of the autotune space.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_causal_matches_sdpa_fp32(d, dtype):
+    q, k, v = (randn(1, 8, 4096, d, dtype=dtype, seed=s).requires_grad_() for s in range(3))
+    o = FlashAttentionTriton.apply(q, k, v, True)
+    do = randn(*o.shape, dtype=dtype, seed=3)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True)
+    grads32 = torch.autograd.grad(o32, (q32, k32, v32), do.float())
+    errors = {n: _rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), (o, *grads), (o32, *grads32))}
+    assert all(e <= 2e-2 for e in errors.values()), errors
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernels", ["triton", "auto"])  # auto: the Hopper kernels on an sm_90 GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=dtype_id)
+def test_beyond_2_31_elements(monkeypatch, dtype, kernels):
+    """int64 offsets: q, o, dq, dk, dv have head bases past 2^31; k, v (transposed views) have row offsets past it."""
+    b, h, n, d = 1, 520, 32768, 128  # 2.18e9 elements per tensor, 4.4 GB in bf16
+    numel = b * h * n * d
+    assert numel > 2**31
+    if torch.cuda.mem_get_info()[0] < 9 * numel * 2:
+        pytest.skip("needs about 40 GB of free GPU memory")
+    monkeypatch.setattr(flash_triton, "_autotune_enabled", lambda: False)  # one run per kernel, no tuning
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, h, n, d, generator=gen, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, n, h, d, generator=gen, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(2))
+    do = torch.randn(b, h, n, d, generator=gen, device="cuda", dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    with use_kernels(kernels):
+        o, lse = flash_forward(q, k, v, False, scale)
+        dq, dk, dv = flash_backward(q, k, v, o, lse, do, False, scale)
+    last = (slice(None), slice(h - 1, h))  # the last head: the largest offsets
+    q32, k32, v32 = (t[last].float().requires_grad_() for t in (q, k, v))
+    o32 = F.scaled_dot_product_attention(q32, k32, v32)
+    grads32 = torch.autograd.grad(o32, (q32, k32, v32), do[last].float())
+    lse32 = torch.logsumexp((q32[..., -256:, :] @ k32.transpose(-2, -1)) * scale, dim=-1)
+    errors = {
+        "o": _rel(o[last], o32), "L": _rel(lse[last][..., -256:], lse32),
+        "dq": _rel(dq[last], grads32[0]), "dk": _rel(dk[last], grads32[1]), "dv": _rel(dv[last], grads32[2]),
+    }
+    assert all(e <= 2e-2 for e in errors.values()), errors
+
+
+def _sweep(kernel: str) -> list[Tiles]:
+    """Every (BLOCK_M, BLOCK_N, num_warps) of the kernel's search space, at num_stages=2."""
+    shapes = sorted({(t.block_m, t.block_n, t.num_warps) for t in flash_triton.SEARCH_SPACES[kernel]})
+    return [Tiles(m, n, w, 2) for m, n, w in shapes]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_every_tile_shape_of_the_search_space_is_correct(flash_reference, kernel, causal, dtype):
+    n_q, n_k, d = (300, 300, 80) if causal else (300, 190, 80)  # ragged in both, padded head dim
+    q = randn(1, 2, n_q, d, dtype=dtype, seed=0)
+    k, v = (randn(1, 2, n_k, d, dtype=dtype, seed=s) for s in (1, 2))
+    do = randn(1, 2, n_q, d, dtype=dtype, seed=3)
+    scale = 1.0 / math.sqrt(d)
+    ref = dict(zip(("o", "L", "dq", "dk", "dv"), flash_reference(q, k, v, causal, scale, do)))
+    o, lse = flash_forward(q, k, v, causal, scale)
+    failures = []
+    for tiles in _sweep(kernel):
+        if kernel == "fwd":
+            got = dict(zip(("o", "L"), flash_forward(q, k, v, causal, scale, tiles=tiles)))
+        else:
+            grads = flash_backward(q, k, v, o, lse, do, causal, scale, tiles={kernel: tiles})
+            got = dict(zip(("dq", "dk", "dv"), grads))
+            got = {"dq": got["dq"]} if kernel == "dq" else {"dk": got["dk"], "dv": got["dv"]}
+        errors = {name: _rel(t.cpu().double(), ref[name]) for name, t in got.items()}
+        if not all(e <= 1e-2 for e in errors.values()):
+            failures.append((tiles, errors))
+    assert not failures, failures

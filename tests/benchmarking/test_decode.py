@@ -1,0 +1,76 @@
+"""Sampling benchmarks on the CPU: the Hugging Face peer computes our model's function, and the timings run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarking.decode import cache_bytes_read, copy_bandwidth, time_decode, time_prefill, weight_bytes
+from model import ModelConfig, TransformerLM
+from model.generation import Sampling, generate
+
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=100, context_length=64, attn="sdpa")
+
+
+def model() -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(CFG).eval()
+
+
+def test_the_hf_peer_has_our_weights():
+    pytest.importorskip("transformers")
+    from benchmarking.hf_llama import llama_from
+
+    ours = model()
+    ids = torch.randint(0, 100, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(llama_from(ours)(ids), ours(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_hf_generate_continues_as_we_do():
+    pytest.importorskip("transformers")
+    from benchmarking.hf_llama import llama_from
+
+    ours = model()
+    hf = llama_from(ours).hf
+    hf.generation_config.eos_token_id = None
+    prompt = [5, 17, 3, 99, 42]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, use_cache=True,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate(ours, [prompt], 12, Sampling(temperature=0)).tokens[0] == theirs
+
+
+def test_timings_run_and_count_bytes():
+    m = model()
+    t = time_decode(m, batch=2, cache_len=16, compile=False, steps=4, warmup=1)
+    assert t.tokens_per_s > 0 and t.bandwidth == pytest.approx(t.bytes_per_step / (t.ms_per_step * 1e-3))
+    assert t.bytes_per_step == weight_bytes(m) + cache_bytes_read(CFG, 2, 18, torch.float32)
+    assert weight_bytes(m) == 4 * (m.num_params() - 100 * 64)
+    assert time_prefill(m, batch=2, prompt_len=16, steps=2, warmup=1).mean_ms > 0
+    assert copy_bandwidth(torch.device("cpu"), nbytes=1 << 20) > 0
+
+
+def test_bench_model_prefill_and_decode_modes(tmp_path):
+    import bench_model
+
+    rows = bench_model.main(["--sizes", "custom", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff",
+                             "128", "--context-lengths", "32", "--mode", "prefill,decode", "--batch-size", "2",
+                             "--steps", "5", "--warmup", "1", "--device", "cpu", "--out", str(tmp_path),
+                             "--no-progress"])
+    prefill, decode = rows
+    assert prefill["status"] == decode["status"] == "ok", rows
+    assert prefill["tokens_per_s"] == pytest.approx(2 * 32 / (prefill["total_ms_mean"] * 1e-3))
+    assert decode["tokens_per_s"] == pytest.approx(2 / (decode["total_ms_mean"] * 1e-3))
+    assert prefill["bandwidth_gbs"] is None and decode["bandwidth_gbs"] > 0 and decode["bandwidth_fraction"] > 0
+
+
+def test_bench_attention_decode_points(tmp_path):
+    import bench_attention
+
+    result = bench_attention.main(["--decode", "1,2", "--seq-lens", "64", "--heads", "2", "--d-heads", "16",
+                                   "--dtype", "fp32", "--device", "cpu", "--backends", "naive,sdpa,sdpa-flash",
+                                   "--iters", "2", "--warmup", "1", "--out", str(tmp_path)])
+    rows = {(r["backend"], r["batch"]): r for r in result.rows}
+    assert len(rows) == 6 and (tmp_path / "decode.md").exists() and (tmp_path / "decode.csv").exists()
+    assert rows[("sdpa", 2)]["status"] == "ok" and rows[("sdpa", 2)]["gbs"] > 0
+    assert rows[("sdpa-flash", 1)]["status"] == "unsupported"

@@ -1,0 +1,59 @@
+"""prepare_data.py end to end on small inputs."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import prepare_data
+from training.prepared import load_prepared
+
+
+@pytest.fixture
+def stories(tmp_path):
+    path = tmp_path / "stories.txt"
+    path.write_text("<|endoftext|>".join(f"Story {i}: the fox {'jumps ' * i}over the dog.\nThe end.\n"
+                                         for i in range(200)))
+    return path
+
+
+def test_prepare_a_text_file_then_reuse_it(stories, tmp_path, capsys):
+    out = tmp_path / "prepared"
+    assert prepare_data.main([str(stories), "--out", str(out), "--vocab-size", "300"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{out}: prepared in" in printed and "bpe tokenizer, vocabulary 300, uint16" in printed
+    assert f"train on it: python train.py --data {out}" in printed
+    data = load_prepared(out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 201  # one cut in two
+    assert data.tokenizer().decode(data.splits["train"].tokens[1:data.splits["train"].doc_starts[1]]) == \
+        "Story 0: the fox over the dog.\nThe end.\n"
+    assert prepare_data.main([str(stories), "--out", str(out), "--vocab-size", "300"]) == 0
+    assert "already prepared from the same input and settings; reused" in capsys.readouterr().out
+
+
+def test_bytes_and_default_output_name(stories, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert prepare_data.main([str(stories), "--tokenizer", "bytes"]) == 0
+    data = load_prepared(tmp_path / "data" / "stories-bytes")
+    tokens = np.asarray(data.splits["train"].tokens)
+    assert data.vocab_size == 256 and bytes(tokens[1:9].astype(np.uint8)) == b"Story 0:"
+
+
+@pytest.mark.parametrize("make, extra, message", [
+    (lambda p: p.write_bytes(b""), [], "error: the corpus is empty: text file .*in.txt"),
+    (lambda p: p.write_bytes("caf\xe9\n".encode("latin-1") * 50), [],
+     "error: .*in.txt is not UTF-8 text \\(invalid byte at offset 3\\)"),
+    (lambda p: p.write_text("text\n" * 50), ["--vocab-size", "100"], "error: --vocab-size 100 is below 257"),
+    (lambda p: p.write_text("text\n" * 50), ["--vocab-size", str(2**32 + 1)], "error: --vocab-size .* above 2\\^32"),
+    (lambda p: p.write_text("text\n" * 50), ["--tokenizer", "bytes", "--vocab-size", "300"],
+     "error: --vocab-size 300: the bytes tokenizer has exactly 256 tokens"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, make, extra, message):
+    make(tmp_path / "in.txt")
+    assert prepare_data.main([str(tmp_path / "in.txt"), "--out", str(tmp_path / "out"), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert re.match(message, err), err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,113 @@
+"""sample.py: reading a run's checkpoint, --seed, the prompt and context rules, and its one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import sample
+from model import ModelConfig, TransformerLM
+
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=256, context_length=32, attn="sdpa")
+
+
+def write_run(out: Path, cfg: ModelConfig = CFG, step: int = 7, model_cfg: ModelConfig | None = None) -> Path:
+    """A checkpoint as train.py writes it (the keys sample.py reads), weights from `model_cfg` if given."""
+    torch.manual_seed(step)
+    model = TransformerLM(model_cfg or cfg)
+    path = out / f"checkpoint-{step}.pt"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "model_config": cfg.to_dict(), "step": step}, path)
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = sample.main(["--device", "cpu", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_samples_start_with_the_prompt_and_a_seed_reproduces_them(tmp_path, capsys):
+    write_run(tmp_path)
+    args = ["--out", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "8", "--num-samples", "2"]
+    code, first, err = run(capsys, *args, "--seed", "3")
+    assert code == 0 and first.startswith("ab") and "checkpoint-7.pt (step 7)" in err
+    assert run(capsys, *args, "--seed", "3")[1] == first
+    assert run(capsys, *args, "--seed", "4")[1] != first
+
+
+def test_the_newest_checkpoint_is_read(tmp_path, capsys):
+    write_run(tmp_path, step=3)
+    write_run(tmp_path, step=12)
+    assert "checkpoint-12.pt (step 12)" in run(capsys, "--out", str(tmp_path), "--max-new-tokens", "1")[2]
+
+
+def test_greedy_equals_the_model_argmax(tmp_path, capsys):
+    path = write_run(tmp_path)
+    model = TransformerLM(CFG)
+    model.load_state_dict(torch.load(path)["model"])
+    ids = list(b"xy")
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(model(torch.tensor([ids]))[0, -1].argmax().item())
+    code, out, _ = run(capsys, "--ckpt", str(path), "--prompt", "xy", "--temperature", "0", "--max-new-tokens", "5")
+    assert code == 0 and out.rstrip("\n") == bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_long_prompt_keeps_its_end_and_generation_stops_at_the_context(tmp_path, capsys):
+    write_run(tmp_path)
+    code, out, err = run(capsys, "--out", str(tmp_path), "--prompt", "x" * 40 + "END", "--max-new-tokens", "50")
+    assert code == 0
+    assert "the prompt's 43 tokens do not fit the context of 32; keeping its last 31" in err
+    assert "stopped at the model's context of 32 tokens (the window does not slide)" in err
+    assert out.startswith("x" * 28 + "END")
+
+
+@pytest.mark.parametrize("setup,argv,message", [
+    (None, [], "error: no run at"),
+    ("empty", [], "error: no checkpoint in"),
+    ("run", ["--ckpt", "missing.pt"], "error: no checkpoint file missing.pt"),
+    ("other-shape", [], "holds another model shape than its config says: embed.weight is (256, 64) in the file"),
+    ("run", ["--prompt", ""], "error: the prompt is empty"),
+    ("small-vocab", ["--prompt", "é"], "the prompt's token 195 (at 0) is outside the model's vocabulary of 100"),
+    ("run", ["--attn", "nope"], "error: unknown --attn 'nope'"),
+])
+def test_errors_are_one_line(tmp_path, capsys, setup, argv, message):
+    out = tmp_path / "run"
+    if setup == "empty":
+        out.mkdir()
+    elif setup == "run":
+        write_run(out)
+    elif setup == "other-shape":
+        write_run(out, model_cfg=dataclasses.replace(CFG, d_model=64))
+    elif setup == "small-vocab":
+        write_run(out, dataclasses.replace(CFG, vocab_size=100))
+    code, stdout, err = run(capsys, "--out", str(out), *argv)
+    assert code == 1 and stdout == ""
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_run_on_prepared_data_samples_with_its_tokenizer(tmp_path, capsys):
+    import json
+
+    from training.dataset import RUN_TOKENIZER_FILE
+    from training.tokenizer import BPETokenizer
+
+    tokenizer = BPETokenizer.train(["def main(): return 1\n" * 50, "class A: pass\n" * 50], vocab_size=300)
+    tokenizer.save(tmp_path)
+    (tmp_path / RUN_TOKENIZER_FILE).write_text(json.dumps({"tokenizer": "bpe", "eod_id": tokenizer.eod_id}))
+    cfg = dataclasses.replace(CFG, vocab_size=tokenizer.vocab_size)
+    model = TransformerLM(cfg)
+    model.load_state_dict(torch.load(write_run(tmp_path, cfg))["model"])
+    ids = tokenizer.encode("def main")
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(model(torch.tensor([ids]))[0, -1].argmax().item())
+            if ids[-1] == tokenizer.eod_id:
+                break
+    code, out, _ = run(capsys, "--out", str(tmp_path), "--prompt", "def main", "--max-new-tokens", "5",
+                       "--temperature", "0")
+    assert code == 0 and out.rstrip("\n") == tokenizer.decode(ids)

@@ -1,0 +1,95 @@
+import pytest
+
+from training import text_corpus
+from training.text_corpus import CorpusError, Segment, content_hash, documents, resolve, split_segments
+
+
+def whole(path):
+    return Segment(path, 0, path.stat().st_size, "train")
+
+
+def join(pieces):
+    """Rebuild the documents from (text, starts_document) pieces."""
+    docs = []
+    for text, starts in pieces:
+        if starts:
+            docs.append("")
+        docs[-1] += text
+    return docs
+
+
+def test_documents_split_at_the_separator_across_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(text_corpus, "BLOCK_BYTES", 7)  # separators and characters straddle the reads
+    docs = ["first story é", "second ✓ story\nwith two lines", "third"]
+    path = tmp_path / "stories.txt"
+    path.write_text("<|endoftext|>".join(docs) + "<|endoftext|><|endoftext|>")  # an empty document is left out
+    assert join(documents(whole(path), "<|endoftext|>", 1000)) == docs
+    assert join(documents(whole(path), "", 1000)) == [path.read_text()], "no separator: the file is one document"
+
+
+def test_long_documents_are_cut_before_newlines(tmp_path):
+    lines = [f"def f{i}(x):\n    return x * {i}\n\n" for i in range(200)]
+    path = tmp_path / "long.py"
+    path.write_text("".join(lines))
+    pieces = list(documents(whole(path), "<|endoftext|>", 100))
+    assert len(pieces) > 10 and all(len(t) <= 100 for t, _ in pieces)
+    assert [s for _, s in pieces] == [True] + [False] * (len(pieces) - 1)
+    assert "".join(t for t, _ in pieces) == path.read_text()
+    # Cut before a newline that ends a non-blank line: where byte-level BPE splits anyway.
+    assert all(t.startswith("\n") and not prev[-1].isspace() for (prev, _), (t, _) in zip(pieces, pieces[1:]))
+
+
+def test_non_utf8_and_nul_bytes_name_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(text_corpus, "BLOCK_BYTES", 4)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café au lait\n".encode() + "crème".encode("latin-1"))
+    with pytest.raises(CorpusError, match=r"latin1.txt is not UTF-8 text \(invalid byte at offset 16\)"):
+        list(documents(whole(bad), "", 1000))
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes("ok é".encode()[:-1])  # ends inside a character
+    with pytest.raises(CorpusError, match="cut.txt is not UTF-8 text"):
+        list(documents(whole(cut), "", 1000))
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"text then \0 binary")
+    with pytest.raises(CorpusError, match="nul.txt holds a NUL byte"):
+        list(documents(whole(nul), "", 1000))
+
+
+def test_resolve_inputs(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a.txt").write_text("alpha\n")
+    (tmp_path / "d" / "sub" / "b.md").write_text("beta\n")
+    (tmp_path / "d" / "image.dat").write_bytes(b"\x89PNG\0\0")  # binary: left out
+    corpus = resolve(str(tmp_path / "d"))
+    assert [f.name for f in corpus.files] == ["a.txt", "b.md"] and corpus.name == "d"
+    assert resolve(str(tmp_path / "d" / "a.txt")).files == [tmp_path / "d" / "a.txt"]
+    with pytest.raises(CorpusError, match="input does not exist: .*nope"):
+        resolve(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="holds no text files"):
+        resolve(str(tmp_path / "empty"))
+
+
+def test_builtin_corpus_leaves_out_files_in_other_encodings():
+    corpus = resolve(None)
+    assert len(corpus.files) > 1000 and corpus.name == "stdlib" and "standard library" in corpus.description
+    assert all(f.suffix == ".py" for f in corpus.files)
+    assert not any(f.name == "module_iso_8859_1.py" for f in corpus.files)
+
+
+def test_validation_split_is_the_tail_from_a_line_start(tmp_path):
+    (tmp_path / "a.txt").write_text("x" * 900 + "\n")
+    (tmp_path / "b.txt").write_text("line one\n" * 20)  # 180 bytes; the threshold, byte 972 of 1081, is byte 71 of it
+    segments = split_segments(resolve(str(tmp_path)), 0.1)
+    assert [(s.path.name, s.start, s.end, s.split) for s in segments] == [
+        ("a.txt", 0, 901, "train"), ("b.txt", 0, 72, "train"), ("b.txt", 72, 180, "val")]
+
+
+def test_content_hash_follows_content_names_and_settings(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha")
+    corpus = resolve(str(tmp_path))
+    first = content_hash(corpus, "settings")
+    assert content_hash(resolve(str(tmp_path)), "settings") == first
+    assert content_hash(corpus, "other settings") != first
+    (tmp_path / "a.txt").write_text("alphb")
+    assert content_hash(corpus, "settings") != first

@@ -1,0 +1,112 @@
+"""Command-line flags that train.py and bench_model.py share, defined and checked once.
+
+Each script keeps its own defaults where its job differs (train.py's --batch-size is the global batch of a run,
+bench_model.py's the per-GPU batch of a timing), but a flag both accept is spelled, explained and validated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+import torch
+
+from training import distributed
+from training.compilation import COMPILE_SCOPES
+from training.step import OptimizerConfig
+
+_OPT = OptimizerConfig()
+
+
+def add_model_shape_flags(group: argparse._ArgumentGroup, what: str) -> None:
+    """--d-model --n-layers --n-heads --d-ff; `what` says how they apply ("override the preset's", "custom size:")."""
+    group.add_argument("--d-model", type=int, help=f"{what} width (d_model)")
+    group.add_argument("--n-layers", type=int, help=f"{what} number of blocks")
+    group.add_argument("--n-heads", type=int, help=f"{what} number of attention heads")
+    group.add_argument("--d-ff", type=int, help=f"{what} SwiGLU hidden size")
+
+
+def add_weight_grads_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--weight-grads", choices=["fp32", "autocast"], default="fp32",
+                       help="under bf16/fp16 autocast, Linear weight gradients written in fp32 by their matmul "
+                            "(default) or as plain autocast does (low dtype, then cast)")
+
+
+def add_compile_scope_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
+                       help="what --compile compiles: blocks (each block, all reusing one graph, so compile time does "
+                            "not grow with depth, and the LM head with the loss, as torchtitan) or model (the whole "
+                            "model as one graph)")
+
+
+def add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
+    """AdamW's hyper-parameters, with training.step.OptimizerConfig's defaults."""
+    group.add_argument("--lr", type=float, default=_OPT.lr, help="peak learning rate")
+    group.add_argument("--weight-decay", type=float, default=_OPT.weight_decay,
+                       help="AdamW weight decay (matrices only)")
+    group.add_argument("--grad-clip", type=float, default=_OPT.grad_clip,
+                       help="clip the global gradient norm; 0 disables")
+
+
+def add_device_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="torch device (default cuda if available, else cpu)")
+
+
+def add_parallel_flags(group: argparse._ArgumentGroup, parallel_help: str, timeout_s: float,
+                       timeout_help: str) -> None:
+    group.add_argument("--parallel", choices=distributed.PARALLEL_MODES, default="none", help=parallel_help)
+    group.add_argument("--dist-timeout", type=float, default=timeout_s, help=timeout_help)
+
+
+def check_at_least(p: argparse.ArgumentParser, args: argparse.Namespace, least: int, *names: str) -> None:
+    """Each named flag (dest names) must be >= least."""
+    for name in names:
+        value = getattr(args, name)
+        if value < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+
+
+def check_device(p: argparse.ArgumentParser, device: str, parallel: str = "none") -> torch.device:
+    """The --device as a torch.device; a CUDA device without a visible GPU is an error."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as e:
+        p.error(f"--device: {e}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu"
+                f"{' (the ranks then talk over gloo)' if parallel != 'none' else ''}")
+    return parsed
+
+
+def check_dist_timeout(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.dist_timeout <= 0:
+        p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+
+
+def check_step_flags(p: argparse.ArgumentParser, device: torch.device, parallel: str, precisions: list[str],
+                     cuda_graph: bool, overlap_optimizer: bool, grad_clip: Optional[float] = None) -> None:
+    """The combinations training.step.build_step cannot build, named by their flags (exit status 2).
+
+    `precisions` are the --dtype values the run uses; `grad_clip` is None where the script never clips."""
+    if parallel == "fsdp" and "fp16" in precisions:
+        p.error("--parallel fsdp supports --dtype bf16 or fp32 (fp16 would need a sharded gradient scaler)")
+    if "fp16" in precisions and device.type != "cuda":
+        p.error("--dtype fp16 needs a CUDA device (the gradient scaler is CUDA-only); use bf16 or fp32 on the CPU")
+    if overlap_optimizer:
+        if grad_clip is not None and grad_clip > 0:
+            p.error("--overlap-optimizer steps each parameter as soon as its gradient exists, before the global "
+                    "norm is known: add --grad-clip 0")
+        if parallel != "none":
+            p.error("--overlap-optimizer is for one process (DDP and FSDP reduce gradients after its hooks); "
+                    "drop --parallel")
+        if "fp16" in precisions:
+            p.error("--overlap-optimizer supports --dtype bf16 or fp32 (fp16's loss scale is checked for inf "
+                    "after the whole backward)")
+    if cuda_graph:
+        if device.type != "cuda":
+            p.error(f"--cuda-graph needs a CUDA device, got --device {device}")
+        if parallel != "none":
+            p.error("--cuda-graph is for one process; drop --parallel")
+        if "fp16" in precisions:
+            p.error("--cuda-graph supports --dtype bf16 or fp32 (fp16's gradient scaler checks for inf on the host)")
