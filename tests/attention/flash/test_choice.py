@@ -1,6 +1,6 @@
 """Which of flash's kernels run an input, and why: attention.flash_kernels (attention.flash.choose_kernels).
 
-The decision itself is tested on any machine by asking it for an sm_90 GPU (`capability=(9, 0)`) with CPU tensors;
+The decision itself is tested on any machine by asking it for an sm_90 GPU (`capability=(9, 0)`);
 on an sm_90 GPU the last test checks that what it says is what runs.
 """
 
@@ -19,7 +19,8 @@ requires_gluon = pytest.mark.skipif(hopper._gluon_problem() is not None, reason=
 SM90 = (9, 0)
 
 
-def qkv(b, h, n, d, dtype=torch.bfloat16, device="cpu"):
+def qkv(b, h, n, d, dtype=torch.bfloat16, device="cuda" if CUDA else "cpu"):
+    # On a GPU machine the tensors are CUDA ones: flash refuses CPU tensors there (no interpreter).
     return [torch.zeros(b, h, n, d, dtype=dtype, device=device) for _ in range(3)]
 
 
@@ -94,10 +95,10 @@ def test_use_kernels_forces_triton():
 
 def test_backward_choice_looks_at_the_upstream_gradient():
     q, k, v = qkv(*LONG)
-    other_order = torch.zeros(1, 8192, 16, 64, dtype=torch.bfloat16).transpose(1, 2)
+    other_order = torch.zeros(1, 8192, 16, 64, dtype=torch.bfloat16, device=q.device).transpose(1, 2)
     if hopper._gluon_problem() is None:
         assert flash_kernels(q, k, v, causal=True, capability=SM90, do=other_order).backward == "hopper"
-    transposed = torch.zeros(1, 16, 64, 8192, dtype=torch.bfloat16).transpose(-2, -1)
+    transposed = torch.zeros(1, 16, 64, 8192, dtype=torch.bfloat16, device=q.device).transpose(-2, -1)
     choice = flash_kernels(q, k, v, causal=True, capability=SM90, do=transposed)
     assert choice.backward == "triton" and "need dO in (batch, heads, seq, d)" in choice.backward_reason
 
@@ -133,7 +134,9 @@ def test_long_causal_bf16_runs_the_hopper_kernels_on_sm90(monkeypatch):
     choice = flash_kernels(q, k, v, causal=True)
     assert choice == KernelChoice("hopper", "hopper", "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)",
                                   "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)")
-    get_attention("flash")(q, k, v, causal=True).sum().backward()
+    o = get_attention("flash")(q, k, v, causal=True)
+    # A dense upstream gradient: .sum() would hand the backward a stride-0 dO, which the Hopper kernels refuse.
+    o.backward(torch.randn_like(o))
     assert calls == ["forward", "backward"]
     short = flash_kernels(*qkv(*SHORT, device="cuda"), causal=True)
     assert short.forward == "triton" and "too few" in short.forward_reason

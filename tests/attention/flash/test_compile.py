@@ -146,6 +146,9 @@ def test_compiled_flash_keeps_the_replay_choice_it_was_traced_with(monkeypatch):
     from attention import graph_replay
 
     torch._dynamo.reset()
+    # No cached graphs: a compiled graph of the same shapes from an earlier test would skip tracing the backward.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
     asked = _record_replayed(monkeypatch)
     flash = get_attention("flash")
     compiled = torch.compile(lambda q, k, v: flash(q, k, v, causal=True), fullgraph=True)
