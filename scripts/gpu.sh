@@ -74,7 +74,7 @@ step_tests() {
     local xdist=()
     # pytest-xdist compiles the many kernel variants in parallel; without it the suite runs in one process.
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 14)
-    run "$OUT/tests/gpu-tests.log" 300 "$PY" scripts/gpu_suite.py --out "$OUT/tests/gpu-tests.json" \
+    run "$OUT/tests/gpu-tests.log" 450 "$PY" scripts/gpu_suite.py --out "$OUT/tests/gpu-tests.json" \
         -- tests/attention "${xdist[@]}" -q
     SUMMARIES+=(summary_tests)
 }
