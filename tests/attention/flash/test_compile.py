@@ -142,13 +142,15 @@ def test_eager_flash_asks_the_dispatch_whether_launches_are_replayed(monkeypatch
     assert asked == [("forward", False), ("backward", False), ("forward", True), ("backward", True)]
 
 
-def test_compiled_flash_keeps_the_replay_choice_it_was_traced_with(monkeypatch):
+def test_compiled_flash_keeps_the_replay_choice_it_was_traced_with(monkeypatch, request):
     from attention import graph_replay
 
     torch._dynamo.reset()
     # No cached graphs: a compiled graph of the same shapes from an earlier test would skip tracing the backward.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
+    for config, flag in ((torch._inductor.config, "fx_graph_cache"), (torch._functorch.config, "enable_autograd_cache")):
+        patch = config.patch({flag: False})
+        patch.__enter__()
+        request.addfinalizer(lambda patch=patch: patch.__exit__(None, None, None))
     asked = _record_replayed(monkeypatch)
     flash = get_attention("flash")
     compiled = torch.compile(lambda q, k, v: flash(q, k, v, causal=True), fullgraph=True)
