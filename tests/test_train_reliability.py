@@ -259,6 +259,29 @@ def test_sigterm_and_sigusr1_checkpoint_the_step_reached(tmp_path, text_file):
         assert f"stopped at step {reached}; resume with --resume --out {out}" in child.output
 
 
+def cuda_visible_but_never_started(notify: Callable[[bytes], None]) -> None:
+    """A child patch: CUDA looks available, as on a GPU machine, and starting it fails."""
+
+    def never(*a, **k):
+        raise AssertionError("a run with --device cpu started CUDA")
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = torch.cuda.random.device_count = lambda: 1
+    torch.cuda._lazy_init = torch.cuda.random._lazy_init = never
+
+
+def test_a_run_on_the_cpu_never_starts_cuda(tmp_path, text_file):
+    """On a GPU machine too, a --device cpu run (checkpoints, resume, signals) leaves CUDA alone: no GPU context per
+    run, and a run forked from a process that started CUDA works. In a forked child, so that the patch stays there."""
+    out = tmp_path / "run"
+    child = Forked(argv(text_file, out, "--steps", "2", "--ckpt-every", "1"), tmp_path / "a.log",
+                   cuda_visible_but_never_started)
+    assert child.wait() == 0 and "Traceback" not in child.output, child.output
+    child = Forked(argv(text_file, out, "--steps", "3", "--resume"), tmp_path / "b.log", cuda_visible_but_never_started)
+    assert child.wait() == 0 and "Traceback" not in child.output, child.output
+    assert checkpoint_files.load_file(out / "checkpoint-3.pt")["step"] == 3
+
+
 # ------------------------------------------------------------------------------ one test per failure case
 
 

@@ -19,7 +19,9 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    # Only once CUDA is in use: asking a run on the CPU for the CUDA RNG states would start CUDA for nothing (a GPU
+    # context per process, and an error in a process forked from one that had started it).
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -1,3 +1,9 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,9 +33,25 @@ def test_measure_train_backend(backend):
     assert "fwd_kernel" not in row  # only flash chooses between kernels
 
 
-def test_flash_rows_say_which_kernels_ran_and_why():
+def flash_row_on_cpu() -> dict:
     p, inputs, ref = point_and_inputs(seq=40, d=16)
-    row = measure_backend("flash", p, inputs, ref, "cpu", iters=1, warmup=0).row
+    return measure_backend("flash", p, inputs, ref, "cpu", iters=1, warmup=0).row
+
+
+def test_flash_rows_say_which_kernels_ran_and_why():
+    # CPU tensors, so the Triton interpreter: chosen before the kernels load, which on a GPU machine (no
+    # TRITON_INTERPRET in this process) means a fresh process with TRITON_INTERPRET=1.
+    from attention.flash import triton as flash_triton
+
+    if flash_triton.interpreting():
+        row = flash_row_on_cpu()
+    else:
+        code = ("import json; from tests.benchmarking.test_attention_measure import flash_row_on_cpu; "
+                "print(json.dumps(flash_row_on_cpu(), default=str))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).parents[2], env={**os.environ, "TRITON_INTERPRET": "1"})
+        assert done.returncode == 0, done.stderr
+        row = json.loads(done.stdout.splitlines()[-1])
     assert row["status"] == "ok" and (row["fwd_kernel"], row["bwd_kernel"]) == ("triton", "triton")
     assert row["kernel_reason"] == ("forward triton: the Hopper kernels need CUDA tensors; "
                                     "backward triton: the Hopper kernels need CUDA tensors")

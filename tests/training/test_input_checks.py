@@ -37,12 +37,19 @@ def test_good_flags_and_a_warm_up_longer_than_the_run():
         "--lr 0.0006"]
 
 
-def test_backends_are_checked_against_the_device_without_a_model(monkeypatch):
+# Why SDPA pinned to its flash kernel cannot take CPU tensors: without a GPU, the machine lacks one; with one, the
+# tensors are on the wrong device.
+SDPA_FLASH_ON_CPU = {False: "needs a CUDA GPU", True: "needs CUDA tensors, got cpu"}
+
+
+@pytest.mark.parametrize("gpu", sorted({torch.cuda.is_available(), True}), ids=lambda gpu: f"gpu={gpu}")
+def test_backends_are_checked_against_the_device_without_a_model(monkeypatch, gpu):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)  # True: as on a GPU machine (a no-op on one)
     assert backend_problem("sdpa", "cpu", torch.float32, d_head=16) is None
     message = backend_problem("sdpa-flash", "cpu", torch.float32, d_head=16)
-    assert message.startswith("--attn sdpa-flash cannot run on cpu with float32 for training: needs a CUDA GPU; "
-                              "backends that can: naive, compiled, sdpa")
+    assert message.startswith(f"--attn sdpa-flash cannot run on cpu with float32 for training: "
+                              f"{SDPA_FLASH_ON_CPU[gpu]}; backends that can: naive, compiled, sdpa")
     assert "sdpa-flash" not in message.split("backends that can:")[1]
     if not torch.cuda.is_available():
         flex = backend_problem("flex", "cpu", torch.float32, d_head=16)

@@ -1,6 +1,7 @@
 import pytest
 
 from training import text_corpus
+from training.data import _stdlib_sources, stdlib_dir
 from training.text_corpus import CorpusError, Segment, content_hash, documents, resolve, split_segments
 
 
@@ -70,11 +71,36 @@ def test_resolve_inputs(tmp_path):
         resolve(str(tmp_path / "empty"))
 
 
-def test_builtin_corpus_leaves_out_files_in_other_encodings():
+def _is_utf8(path):
+    try:
+        path.read_bytes().decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_builtin_corpus_leaves_out_files_in_other_encodings(tmp_path, monkeypatch):
+    # This Python's standard library: its sources in UTF-8, and only those. Which files are in other encodings (the
+    # test suite's iso-8859-1 and koi8-r modules), and whether the test suite is installed at all, depends on the
+    # Python version and its packaging, so the files are derived, not named.
+    sources = _stdlib_sources()
     corpus = resolve(None)
-    assert len(corpus.files) > 1000 and corpus.name == "stdlib" and "standard library" in corpus.description
-    assert all(f.suffix == ".py" for f in corpus.files)
-    assert not any(f.name == "module_iso_8859_1.py" for f in corpus.files)
+    assert corpus.name == "stdlib" and "standard library" in corpus.description and corpus.root == stdlib_dir()
+    assert len(corpus.files) > 100 and all(f.suffix == ".py" for f in corpus.files)
+    assert corpus.files == [f for f in sources if _is_utf8(f)]
+    skipped = len(sources) - len(corpus.files)
+    assert (f"{skipped} not in UTF-8 left out" in corpus.description) == (skipped > 0)
+    # And with a file in another encoding known to be there: left out, and counted.
+    lib = tmp_path / "lib"
+    (lib / "test" / "encoded_modules").mkdir(parents=True)
+    (lib / "os.py").write_text("import sys\n")
+    (lib / "test" / "encoded_modules" / "module_iso_8859_1.py").write_bytes(
+        "# -*- coding: iso-8859-1 -*-\ntest = 'caf\u00e9'\n".encode("iso-8859-1"))
+    monkeypatch.setattr(text_corpus, "stdlib_dir", lambda: lib)
+    monkeypatch.setattr(text_corpus, "_stdlib_sources", lambda: sorted(lib.rglob("*.py")))
+    corpus = resolve(None)
+    assert corpus.files == [lib / "os.py"] and corpus.root == lib
+    assert corpus.description.endswith("(1 files; 1 not in UTF-8 left out)")
 
 
 def test_validation_split_is_the_tail_from_a_line_start(tmp_path):
