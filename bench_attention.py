@@ -6,8 +6,12 @@
     python bench_attention.py --backends naive,flash --seq-lens 1024,4096 --d-heads 64 --dtype bf16 --causal both
     python bench_attention.py --seq-lens 16384 --d-heads 64 --explain-memory
     python bench_attention.py --preset leaderboard --seq-lens 4096,16384 --graph-timing   # + GPU time without launches
+    python bench_attention.py --preset variants              # GQA, windows, packed documents, softcap, all together
+    python bench_attention.py --preset training              # the shapes models train with, against cuDNN and FA-2
+    python bench_attention.py --seq-lens 8192 --heads 32 --kv-heads 8 --window 1024 --doc-len 1024 --softcap 50
 
-For each point (batch, heads, seq, d_head, dtype, causal) and backend: forward, backward and forward+backward
+For each point (batch, heads, seq, d_head, dtype, causal, and the variants: key/value heads, window, softcap, packed
+documents of a mean length drawn at random per point) and backend: forward, backward and forward+backward
 times, TFLOP/s, memory kept for backward, forward/backward peak memory, the time ratio to a baseline backend,
 and the error of the output and gradients against a float64 reference; for flash, which kernels ran each pass
 (Triton or Hopper) and why. Out of memory is a row, not a crash.
@@ -58,16 +62,44 @@ PRESETS: dict[str, dict[str, Any]] = {
     "leaderboard": {"batch": 1, "heads": 16, "seq_lens": [16384], "d_heads": [64], "dtypes": ["bf16"],
                     "causal": "yes", "iters": 100,
                     "backends": ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "flex"], "baseline": "sdpa-flash"},
+    # The attention variants, each alone and all together, beside the plain causal attention of the same shape.
+    # sdpa runs windows and documents through a materialised mask; the pinned kernels take GQA only.
+    "variants": {"dtypes": ["bf16"], "iters": 100, "backends": ["flash", "sdpa", "sdpa-cudnn", "flex"],
+                 "baseline": "flex", "points": [
+                     dict(batch=4, heads=32, kv_heads=8, seq=8192, d_head=128, causal=True),
+                     dict(batch=1, heads=16, seq=16384, d_head=64, causal=True),
+                     dict(batch=1, heads=16, seq=16384, d_head=64, causal=True, window=1024),
+                     dict(batch=1, heads=16, seq=16384, d_head=64, causal=True, doc_len=1024),
+                     dict(batch=1, heads=16, seq=16384, d_head=64, causal=True, softcap=50.0),
+                     dict(batch=1, heads=16, kv_heads=4, seq=16384, d_head=64, causal=True, window=1024,
+                          doc_len=1024, softcap=50.0)]},
+    # The attention of the shapes models train with: long sequences, the small and large presets' layers, the host
+    # cost alone (B1 H1 N128), head dim 128, and one without a mask; against SDPA's cuDNN and FlashAttention-2.
+    "training": {"dtypes": ["bf16"], "iters": 100, "backends": ["flash", "sdpa-cudnn", "sdpa-flash", "flex"],
+                 "baseline": "sdpa-cudnn", "points": [
+                     dict(batch=1, heads=16, seq=16384, d_head=64, causal=True),
+                     dict(batch=1, heads=16, seq=4096, d_head=64, causal=True),
+                     dict(batch=16, heads=12, seq=1024, d_head=64, causal=True),
+                     dict(batch=4, heads=20, seq=1024, d_head=64, causal=True),
+                     dict(batch=1, heads=1, seq=128, d_head=64, causal=True),
+                     dict(batch=8, heads=16, seq=2048, d_head=128, causal=True),
+                     dict(batch=2, heads=16, seq=8192, d_head=128, causal=True),
+                     dict(batch=1, heads=32, seq=32768, d_head=128, causal=True),
+                     dict(batch=2, heads=16, seq=8192, d_head=64, causal=False)]},
 }
+# Flags that set the shape of the points: presets that list their points take none of them.
+SHAPE_FLAGS = ("batch", "heads", "seq_lens", "d_heads", "causal", "kv_heads", "window", "softcap", "doc_len")
 
 # Without a preset. dtype None means bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow, not representative).
 DEFAULTS: dict[str, Any] = {"batch": 1, "heads": 8, "seq_lens": [256, 1024, 4096], "d_heads": [64], "dtypes": None,
                             "causal": "yes", "iters": 100, "warmup": 10, "backends": None, "baseline": "naive",
-                            "seed": 0}
+                            "seed": 0, "kv_heads": None, "window": None, "softcap": None, "doc_len": None,
+                            "points": None}
 
 # Column order of results.csv / results.json rows.
 COLUMNS = [
-    "backend", "batch", "heads", "seq", "d_head", "dtype", "causal", "status", "note",
+    "backend", "point", "batch", "heads", "kv_heads", "seq", "d_head", "dtype", "causal", "window", "softcap",
+    "doc_len", "status", "note",
     "fwd_kernel", "bwd_kernel", "kernel_reason",
     "fwd_ms", "bwd_ms", "fwdbwd_ms", "bwd_method", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
     "fwd_ratio", "bwd_ratio", "fwdbwd_ratio", "fwd_graph_ms", "fwdbwd_graph_ms", "fwdbwd_graph_ratio",
@@ -110,6 +142,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def _dtypes(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
     for name in names:
@@ -140,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "--dtypes", dest="dtypes", type=_dtypes,
                    help=f"comma-separated of {','.join(DTYPES)} (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--causal", choices=["yes", "no", "both"], help="causal mask, none, or both (default: yes)")
+    p.add_argument("--kv-heads", type=_positive_int, help="key/value heads, a divisor of --heads (GQA; default: "
+                                                          "as many as --heads)")
+    p.add_argument("--window", type=_positive_int, help="sliding window: each query sees this many keys back "
+                                                        "(and ahead, without --causal)")
+    p.add_argument("--softcap", type=_positive_float, help="logit soft-cap: scores s become c*tanh(s/c)")
+    p.add_argument("--doc-len", type=_positive_int, help="pack each sequence with documents of this mean length "
+                                                         "(random lengths 1..2L-1, drawn per point)")
     p.add_argument("--iters", type=_positive_int, help="timed calls per pass (default: 100)")
     p.add_argument("--warmup", type=_non_negative_int, help="untimed calls before timing (default: 10)")
     p.add_argument("--seed", type=_non_negative_int, help="random seed of the inputs (default: 0)")
@@ -184,9 +233,17 @@ class Config:
     preset: Optional[str]
     graph_timing: bool = False
     command: str = ""
+    kv_heads: Optional[int] = None
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    doc_len: Optional[int] = None
+    listed_points: Optional[list[dict[str, Any]]] = None  # a preset's own points (shapes), run in each dtype
 
     def points(self) -> list[AttentionPoint]:
-        return [AttentionPoint(self.batch, self.heads, n, d, dt, c)
+        if self.listed_points is not None:
+            return [AttentionPoint(dtype=dt, **shape) for dt in self.dtypes for shape in self.listed_points]
+        return [AttentionPoint(self.batch, self.heads, n, d, dt, c, self.kv_heads, self.window, self.softcap,
+                               self.doc_len)
                 for dt in self.dtypes for c in self.causal for d in self.d_heads for n in self.seq_lens]
 
     def as_dict(self) -> dict[str, Any]:
@@ -197,10 +254,17 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     """Merge explicit flags over the preset over DEFAULTS, and check names against the registry."""
     merged = dict(DEFAULTS)
     merged.update(PRESETS.get(args.preset, {}))
+    if merged["points"] is not None:
+        given = [key for key in SHAPE_FLAGS if getattr(args, key) is not None]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')}: --preset {args.preset} lists its own points; "
+                         "use the flags without a preset")
     for key in ("backends", "baseline", "batch", "heads", "seq_lens", "d_heads", "dtypes", "causal", "iters",
-                "warmup", "seed"):
+                "warmup", "seed", "kv_heads", "window", "softcap", "doc_len"):
         if getattr(args, key) is not None:
             merged[key] = getattr(args, key)
+    if merged["kv_heads"] is not None and merged["heads"] % merged["kv_heads"]:
+        parser.error(f"--kv-heads {merged['kv_heads']}: must divide --heads {merged['heads']}")
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -225,6 +289,8 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         dtypes=list(merged["dtypes"]), causal=causal, iters=merged["iters"], warmup=merged["warmup"],
         seed=merged["seed"], device=device, out=out, plots=not args.no_plots, wandb=args.wandb,
         wandb_project=args.wandb_project, preset=args.preset, graph_timing=args.graph_timing,
+        kv_heads=merged["kv_heads"], window=merged["window"], softcap=merged["softcap"], doc_len=merged["doc_len"],
+        listed_points=merged["points"],
     )
 
 
@@ -244,7 +310,7 @@ def _allow_many_compilations() -> None:
 
 def _row(point: AttentionPoint, backend: str, device: str, inputs_mib: Optional[float]) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
-    row.update(backend=backend, **point.as_row(), device=device, inputs_mib=inputs_mib)
+    row.update(backend=backend, point=point.label(), **point.as_row(), device=device, inputs_mib=inputs_mib)
     return row
 
 
@@ -271,7 +337,8 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
         return rows, saved_by_backend
     inputs: AttentionInputs = made.value
     inputs_mib = to_mib(sum(t.numel() * t.element_size() for t in inputs.leaves()))
-    ref_outcome = call_catching_oom(lambda: reference(inputs, point.causal), label=f"reference {point.label()}")
+    ref_outcome = call_catching_oom(lambda: reference(inputs, point.causal, window=point.window,
+                                                      softcap=point.softcap), label=f"reference {point.label()}")
     ref: Optional[Reference] = ref_outcome.value
 
     rows = []
@@ -346,18 +413,45 @@ def _memory_key(cfg: Config) -> tuple[str, str]:
     return "saved_tensors_mib", "memory saved for backward (MiB, tensors autograd saved, excluding q, k, v)"
 
 
+def _point_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
+    """Tables of a preset that lists its points: one line per point, one column per backend."""
+    blocks = []
+    passes = [("fwdbwd_ms", "Forward + backward time (ms)"), ("fwd_ms", "Forward time (ms)"),
+              ("bwd_ms", "Backward time (ms)")]
+    if cfg.graph_timing:
+        passes.append(("fwdbwd_graph_ms", "Forward + backward time (ms) replayed from a CUDA graph"))
+    passes += [("fwdbwd_ratio", f"Forward + backward time / `{cfg.baseline}`'s"),
+               ("fwdbwd_tflops", "Forward + backward TFLOP/s")]
+    for key, title in passes:
+        blocks.append(f"## {title}")
+        blocks.append(report.pivot_markdown(rows, "point", "backend", key, column_label="backend"))
+    return blocks
+
+
 def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
     memory_key, memory_title = _memory_key(cfg)
+    shape = "points as listed" if cfg.listed_points is not None else f"batch {cfg.batch}, heads {cfg.heads}"
     blocks = [
         f"Command: `{cfg.command}`",
-        f"Device {cfg.device}; batch {cfg.batch}, heads {cfg.heads}; median of ~{cfg.iters} calls after "
+        f"Device {cfg.device}; {shape}; median of ~{cfg.iters} calls after "
         f"{cfg.warmup} warm-up calls per pass; ratios are time / time of `{cfg.baseline}` at the same point "
-        "(below 1 = faster). TFLOP/s count 4·B·H·N²·D per forward (half when causal), 2.5x that for backward. "
+        "(below 1 = faster). TFLOP/s count 4·B·H·N²·D per forward (half when causal; with a window or documents, "
+        "4·B·H·D per score computed), 2.5x that for backward. "
         "Errors: max |backend - float64 reference| over sampled query rows, with `check` = FAIL when the "
         f"relative error exceeds {', '.join(f'{k} {v:g}' for k, v in RELATIVE_TOLERANCE.items())}. "
         "OOM = ran out of memory; unsupported = the backend cannot run this input (reason in results.csv).",
     ]
-    blocks.append("## Forward + backward time (ms) by backend")
+    if cfg.listed_points is not None:
+        blocks += _point_blocks(rows, cfg)
+    else:
+        blocks += _sweep_blocks(rows, cfg, memory_key, memory_title)
+    blocks += _summary_blocks(rows)
+    return blocks
+
+
+def _sweep_blocks(rows: Sequence[dict[str, Any]], cfg: Config, memory_key: str, memory_title: str) -> list[str]:
+    """Tables of a sweep over sequence lengths and head dims."""
+    blocks = ["## Forward + backward time (ms) by backend"]
     for dtype, causal, group in _groups(rows):
         for d in report.unique_in_order(group, "d_head"):
             subset = [r for r in group if r["d_head"] == d]
@@ -379,15 +473,19 @@ def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
             for key, title in (("fwd_ms", "forward (ms)"), ("bwd_ms", "backward (ms)"), (memory_key, memory_title),
                                ("fwdbwd_tflops", "forward + backward TFLOP/s")):
                 blocks.append(f"{title}\n\n" + report.pivot_markdown(subset, "seq", "d_head", key))
-    blocks.append("## Correctness (worst over the points each backend ran)")
+    return blocks
+
+
+def _summary_blocks(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Correctness, the kernels flash ran, and what did not run, for any set of points."""
+    blocks = ["## Correctness (worst over the points each backend ran)"]
     blocks.append(report.markdown_table(_correctness_summary(rows),
                                         ["backend", "dtype", "points", "max_rel_err", "max_err_out", "max_err_dq",
                                          "max_err_dk", "max_err_dv", "failed"]))
     kernels = [r for r in rows if r.get("fwd_kernel")]
     if kernels:
         blocks.append("## Kernels flash ran (Triton or Hopper), and why")
-        blocks.append(report.markdown_table(kernels, ["seq", "d_head", "dtype", "causal", "fwd_kernel", "bwd_kernel",
-                                                      "kernel_reason"]))
+        blocks.append(report.markdown_table(kernels, ["point", "fwd_kernel", "bwd_kernel", "kernel_reason"]))
     not_run = _not_run_summary(rows)
     if not_run:
         blocks.append("## Not run, or forward only")
@@ -456,7 +554,8 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str
         "csv": report.write_csv(rows, cfg.out / "results.csv", COLUMNS),
         "json": report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict()),
     }
-    plots = write_plots(rows, cfg) if cfg.plots else {}
+    # Plots draw lines over sequence lengths; a preset's listed points are not such a series.
+    plots = write_plots(rows, cfg) if cfg.plots and cfg.listed_points is None else {}
     files.update(plots)
     if cfg.wandb:
         report.log_wandb(rows, mode=cfg.wandb, project=cfg.wandb_project, run_name=cfg.out.name, images=plots,
@@ -468,8 +567,11 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str
 
 
 def explain_memory(cfg: Config) -> tuple[list[dict[str, Any]], str]:
-    """Measure one point (largest seq and d_head, first dtype and mask) and explain each backend's memory."""
-    point = AttentionPoint(cfg.batch, cfg.heads, max(cfg.seq_lens), max(cfg.d_heads), cfg.dtypes[0], cfg.causal[0])
+    """Measure one point (largest seq and d_head, first dtype and mask; a preset's first listed point) and explain
+    each backend's memory."""
+    point = cfg.points()[0] if cfg.listed_points is not None else AttentionPoint(
+        cfg.batch, cfg.heads, max(cfg.seq_lens), max(cfg.d_heads), cfg.dtypes[0], cfg.causal[0], cfg.kv_heads,
+        cfg.window, cfg.softcap, cfg.doc_len)
     rows, saved = run_point(point, cfg, time_passes=False)
     blocks = [explain_header(point, cfg.device)]
     blocks += [explain_backend(r["backend"], point, r, saved.get(r["backend"])) for r in rows]

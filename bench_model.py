@@ -4,7 +4,7 @@ Sweeps sizes x context lengths x attention backends x dtypes x compile x modes o
 result, not a crash. The train-step is the one train.py runs (training/step.py: the same compile, DDP/FSDP wrap,
 AdamW and CUDA graph), timed without gradient clipping. Writes results.md / results.csv / results.json / PNG plots
 to --out; --nvtx, --profile and --memory-snapshot make the same runs easy to profile, --explain-memory prints where
-the bytes go.
+the bytes go, --explain-precision the dtype of every tensor of a step under --dtype.
 
     python bench_model.py --sizes small,medium --context-lengths 128,256,512,1024 --dtype fp32,bf16 \\
         --mode forward-backward
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import pickle
 import re
 import shlex
@@ -31,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from attention import UnsupportedInputError, backend_names, list_attention
-from benchmarking import report
+from benchmarking import precision_report, report
 from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
 from benchmarking.decode import sampling_figures
 from benchmarking.environment import describe, environment_info
@@ -119,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="allocation events kept by the memory history (default 100000)")
     pr.add_argument("--explain-memory", action="store_true",
                     help="print expected bytes (parameters, gradients, AdamW state, activations) beside the measured")
+    pr.add_argument("--explain-precision", action="store_true",
+                    help="print, per --sizes and --dtype, the dtype of every tensor of a training step (parameters, "
+                         "sublayer outputs, logits, loss, gradients) and why; and 0.01 summed 1000 times in fp32, "
+                         "fp16 and bf16 with and without an fp32 accumulator; times nothing")
     return p
 
 
@@ -554,9 +559,21 @@ def replace_parallel(args: argparse.Namespace) -> argparse.Namespace:
 # --- main ------------------------------------------------------------------------------------------------
 
 
+def explain_precision(args: argparse.Namespace) -> None:
+    """--explain-precision: benchmarking/precision_report.py's tables for each size and dtype, printed."""
+    for size in args.sizes:
+        for dtype in args.dtype:
+            torch.manual_seed(args.seed)
+            model = TransformerLM(dataclasses.replace(args.configs[size], attn=args.attn[0])).to(args.device)
+            print(f"# {size}\n\n{precision_report.report(model, dtype, args.device)}\n")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     """Run the sweep described by `argv`; returns one row per configuration (also written to --out)."""
     args = parse_args(argv)
+    if args.explain_precision:
+        explain_precision(args)
+        return []
     nvtx.enable(args.nvtx)
     ranks = contextlib.ExitStack()
     try:

@@ -112,17 +112,20 @@ def build_model(path: Path, state: dict[str, Any], cfg: ModelConfig) -> Transfor
 
 
 def pick_attention(cfg: ModelConfig, asked: Optional[str], dtype: torch.dtype, device: torch.device) -> str:
-    """The backend to sample with: --attn, else the run's when it can decode here, else sdpa."""
+    """The backend to sample with: --attn, else the run's when it can decode here (with the model's GQA, window and
+    softcap), else sdpa, else naive."""
     if asked is not None and asked not in backend_names():
         raise SampleError(f"unknown --attn {asked!r}; valid: {', '.join(backend_names())}")
     q = torch.zeros(1, cfg.n_heads, 1, cfg.d_head, dtype=dtype, device=device)
-    k = torch.zeros(1, cfg.n_heads, cfg.context_length, cfg.d_head, dtype=dtype, device=device)
+    k = torch.zeros(1, cfg.kv_heads, cfg.context_length, cfg.d_head, dtype=dtype, device=device)
+    variant = {"window": cfg.window, "softcap": cfg.attn_softcap}
     name = asked or cfg.attn
-    reason = why_not_decode(name, q, k, k, 1)
+    reason = why_not_decode(name, q, k, k, 1, **variant)
     if reason is None:
         return name
-    if asked is None and why_not_decode("sdpa", q, k, k, 1) is None:
-        return "sdpa"
+    for fallback in ([] if asked else ["sdpa", "naive"]):
+        if why_not_decode(fallback, q, k, k, 1, **variant) is None:
+            return fallback
     raise SampleError(f"attention backend {name!r} cannot decode here: {reason}")
 
 

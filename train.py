@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from attention import UnknownBackendError, backend_names
 from model import PRESETS, ModelConfig, TransformerLM, config_for
-from training import checkpoint, cli, distributed, run_dir, sharded_checkpoint
+from training import checkpoint, cli, distributed, run_dir, sharded_checkpoint, speed_defaults
 from training.checkpoint_files import CheckpointError
 from training.data import batch_at, check_vocab
 from training.dataset import check_vocab_size, load_run_data, record_tokenizer
@@ -40,7 +40,7 @@ from training.resume import load_checkpoint, save_checkpoint
 from training.run_dir import RunDirError
 from training.schedule import lr_at
 from training.signals import Interrupted, StopRequest, stop_status
-from training.step import OptimizerConfig, StepConfig, TrainingStep, build_step
+from training.step import GRAPH_WARMUP, OptimizerConfig, StepConfig, TrainingStep, build_step
 
 
 class TrainingError(RuntimeError):
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=int, help="vocabulary; default 256 for byte-level text, else 10000")
     m.add_argument("--context-length", type=int, default=512, help="tokens per training sequence")
     m.add_argument("--attn", default="sdpa", help="attention backend from the registry (see README)")
+    cli.add_attention_variant_flags(m)
     cli.add_weight_grads_flag(m)
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
@@ -66,13 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_optimizer_flags(o)  # --lr, --weight-decay, --grad-clip
     o.add_argument("--min-lr", type=float, default=6e-5, help="learning rate at the end of the cosine decay")
     o.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up steps")
-    o.add_argument("--dtype", choices=list(DTYPES), default="fp32",
-                   help="compute precision: bf16/fp16 autocast with fp32 master weights (fp16 adds a grad scaler)")
-    o.add_argument("--compile", action="store_true", help="torch.compile the model (see --compile-scope)")
+    o.add_argument("--dtype", choices=list(DTYPES),
+                   help="compute precision: bf16/fp16 autocast with fp32 master weights (fp16 adds a grad scaler); "
+                        "default bf16 on CUDA, fp32 on the CPU")
+    o.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="torch.compile the model (see --compile-scope); default on with CUDA, off on the CPU")
     cli.add_compile_scope_flag(o)
-    o.add_argument("--cuda-graph", action="store_true",
+    o.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
                    help="capture the whole step (forward, backward, clipping, AdamW) once as a CUDA graph and replay "
-                        "it: no host time per step. One CUDA device, bf16 or fp32; the first 2 steps run eagerly")
+                        "it: no host time per step. One CUDA device, bf16 or fp32; the first 2 steps run eagerly. "
+                        "Default on where it applies (CUDA, one process, no --pack-documents, no activation "
+                        "checkpointing, not fp16)")
     o.add_argument("--overlap-optimizer", action="store_true",
                    help="step AdamW parameter by parameter during the backward, on a second CUDA stream, as each "
                         "gradient is complete (training/overlapped_optimizer.py): the same updates, a shorter step. "
@@ -90,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "'synthetic'; default: this Python's standard library sources as bytes")
     r.add_argument("--pack-documents", action="store_true",
                    help="prepared data: each row starts where a document (or a context-length piece of a long one) "
-                        "starts and runs on through the next ones, each led by its end-of-document token")
+                        "starts and runs on through the next ones, each led by its end-of-document token; attention "
+                        "stays within each document and RoPE positions restart at each (the backend must run "
+                        "doc_ids: naive, sdpa, flex, flash, flash-torch)")
     r.add_argument("--eval-every", type=int, default=200,
                    help="validation loss (and bits per byte) every N steps (0: only at the end)")
     r.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation")
@@ -114,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject bad flags at once, naming the problem (argparse exits with status 2)."""
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """Reject bad flags at once, naming the problem (argparse exits with status 2); fill in the defaults of --dtype,
+    --compile and --cuda-graph (training/speed_defaults.py) and return the line that says what they are."""
     if args.size not in PRESETS:
         p.error(f"unknown --size {args.size!r}; valid: {', '.join(PRESETS)}")
     if args.attn not in backend_names():
@@ -125,18 +133,34 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
     device = cli.check_device(p, args.device, args.parallel)
     cli.check_dist_timeout(p, args)
+    speed = speed_defaults.choose(device, dtype=args.dtype, compile=args.compile, cuda_graph=args.cuda_graph,
+                                  parallel=args.parallel, pack_documents=args.pack_documents,
+                                  activation_checkpointing=args.activation_checkpointing)
+    args.dtype, args.compile, args.cuda_graph = speed.dtype, speed.compile, speed.cuda_graph
     cli.check_step_flags(p, device, args.parallel, [args.dtype], args.cuda_graph, args.overlap_optimizer,
                          grad_clip=args.grad_clip)
     problem = flag_problem(args)  # negative or contradictory
     if problem:
         p.error(problem)
+    return speed.line
+
+
+def variants_of(cfg: ModelConfig) -> str:
+    """", 4 kv heads, window 256 (LLLG), softcap 50" for the attention variants in use, else ""."""
+    parts = [f"{cfg.kv_heads} kv heads"] if cfg.kv_heads != cfg.n_heads else []
+    if cfg.window is not None:
+        parts.append(f"window {cfg.window} ({cfg.window_pattern})")
+    if cfg.attn_softcap is not None:
+        parts.append(f"softcap {cfg.attn_softcap:g}")
+    return "".join(f", {p}" for p in parts)
 
 
 def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     try:
         return config_for(args.size, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                           d_ff=args.d_ff, vocab_size=vocab_size, context_length=args.context_length, attn=args.attn,
-                          fp32_weight_grads=args.weight_grads == "fp32")
+                          fp32_weight_grads=args.weight_grads == "fp32", n_kv_heads=args.n_kv_heads,
+                          window=args.window, window_pattern=args.window_pattern, attn_softcap=args.attn_softcap)
     except ValueError as e:
         raise TrainingError(str(e)) from None
 
@@ -247,7 +271,8 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
     tokens_per_step = args.batch_size * args.context_length  # global: all ranks together
     ranks = f", {args.parallel} over {ctx.world_size} rank{'s' * (ctx.world_size > 1)}" if ctx.is_distributed else ""
     say(f"model: {n_params / 1e6:.1f}M parameters ({n_non_embed / 1e6:.1f}M non-embedding), "
-        f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, attention {cfg.attn!r}, "
+        f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads{variants_of(cfg)}, "
+        f"attention {cfg.attn!r}, "
         f"{args.dtype} on {device}{ranks}")
     say(f"data: {data.description}: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, "
         f"vocab {vocab_size}; {flops_per_token(cfg) / 1e9:.2f} GFLOP per token")
@@ -262,17 +287,26 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
     last_words = ("--no-checkpoint: nothing saved" if args.no_checkpoint else f"resume with --resume --out {out}")
     bar = tqdm(total=args.steps, initial=start_step, desc="train", dynamic_ncols=True,
                disable=None if ctx.is_main else True)
+    # Steps that compile, autotune or capture rather than train at speed; timed on their own, out of the first window.
+    warm_steps = min(GRAPH_WARMUP + 1 if args.cuda_graph else int(args.compile), args.steps - start_step)
+    if warm_steps:
+        what = "compile the model and autotune kernels" if args.compile else "autotune kernels"
+        graph = f", and step {start_step + GRAPH_WARMUP + 1} captures the CUDA graph" if args.cuda_graph else ""
+        say(f"warming up: the first {warm_steps} step{'s' * (warm_steps > 1)} {what}{graph} (timed when done)",
+            flush=True)
     try:
         while step < args.steps:
             lr = lr_at(step, args.lr, args.min_lr, args.warmup_steps, args.steps)
             step_fn.set_lr(lr)
-            if args.pack_documents:  # document ids come with the batch; the model does not take them (yet)
-                x, y, _ = packed_batch_at(train_tokens, data.doc_starts("train"), data.eod_id, args.batch_size,
-                                          args.context_length, args.seed, step, ctx.rank, ctx.world_size, device)
+            doc_ids = None  # packed: attention stays within each document, RoPE restarts at each one
+            if args.pack_documents:
+                x, y, doc_ids = packed_batch_at(train_tokens, data.doc_starts("train"), data.eod_id, args.batch_size,
+                                                args.context_length, args.seed, step, ctx.rank, ctx.world_size,
+                                                device)
             else:
                 x, y = batch_at(train_tokens, args.batch_size, args.context_length, args.seed, step,
                                 rank=ctx.rank, world_size=ctx.world_size, device=device)
-            loss, grad_norm = step_fn(x, y)
+            loss, grad_norm = step_fn(x, y) if doc_ids is None else step_fn(x, y, doc_ids)
             step += 1
             window_steps += 1
             bar.update(1)
@@ -283,6 +317,14 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
             log_now = step % args.log_every == 0 or eval_now or stop_now
             ckpt_now = not args.no_checkpoint and (
                 is_last or stop_now or (args.ckpt_every > 0 and step % args.ckpt_every == 0))
+            if warm_steps and step == start_step + warm_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if ctx.is_main:
+                    bar.write(f"warm-up: {time.perf_counter() - window_start:.1f} s for {warm_steps} "
+                              f"step{'s' * (warm_steps > 1)}; logged step times start after it")
+                if not log_now:  # logged here, the window keeps these steps rather than being empty
+                    window_start, window_steps = time.perf_counter(), 0
             if not (log_now or ckpt_now):
                 continue
             loss_value = distributed.mean_over_ranks(loss, ctx)  # synchronises; only on log/checkpoint steps
@@ -361,9 +403,10 @@ def format_postfix(m: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_args(parser, args)
+    given = {k for k, v in vars(args).items() if v != parser.get_default(k)}
+    speed_line = check_args(parser, args)
     if os.environ.get("RANK", "0") == "0":
-        given = {k for k, v in vars(args).items() if v != parser.get_default(k)}
+        print(speed_line)
         for line in flag_warnings(args, given):
             print(line, file=sys.stderr)
     who = distributed.error_prefix(args.parallel)  # '[rank r] ' when several processes print

@@ -1,7 +1,8 @@
 """Attention backends by name. `get_attention("sdpa")(q, k, v, causal=True)`; `list_attention()`.
 
 `why_not(name, q, k, v, causal)` says why a backend cannot run an input; `flash_kernels(q, k, v, causal)` which of
-flash's kernels run it, and why.
+flash's kernels run it, and why. Both take the variants too (window=, softcap=, doc_ids=; GQA from the shapes):
+attention/registry.py defines them, docs/flash.md (Variants) says which backend runs which.
 """
 
 from attention.registry import (

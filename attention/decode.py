@@ -7,7 +7,10 @@
                                            is a leading part of q.shape[:-2], typically (batch,)
 
 Query j of the n_new sits at position cache_len - n_new + j and sees the keys at positions up to its own: every
-earlier token, and causally the new ones. With n_new = 1 this is one sampling step. The values of cache_len are the
+earlier token, and causally the new ones. With n_new = 1 this is one sampling step. The variants of training
+attention apply as there (attention/registry.py): the cache may have fewer heads than q (GQA: query head i reads
+cache head i // (heads / kv heads)), `window=w` keeps the keys within w of the query's position (pos - w < j), and
+`softcap=c` turns the scores s into c * tanh(s / c). A decode path declares which it runs. The values of cache_len are the
 caller's promise (n_new <= cache_len <= max_len); they live on the device and are not checked, so that a decode
 step never waits for the host and can be captured in a CUDA graph.
 
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.registry import register_decode
+from attention.sdpa import HAS_GQA
 
 try:
     from torch.nn.attention.flex_attention import flex_attention
@@ -43,34 +47,56 @@ def lengths(cache_len: CacheLen, q: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64).expand(lead)
 
 
-def visible(cache_len: CacheLen, q: torch.Tensor, max_len: int) -> torch.Tensor:
+def visible(cache_len: CacheLen, q: torch.Tensor, max_len: int, window: Optional[int] = None) -> torch.Tensor:
     """(..., n_new, max_len) bool: which cache positions each query sees."""
     n_new = q.shape[-2]
     query_pos = lengths(cache_len, q)[..., None] - n_new + torch.arange(n_new, device=q.device)  # (..., n_new)
-    return torch.arange(max_len, device=q.device) <= query_pos[..., None]
+    keys = torch.arange(max_len, device=q.device)
+    seen = keys <= query_pos[..., None]
+    if window is not None:
+        seen &= keys > query_pos[..., None] - window
+    return seen
+
+
+def repeat_kv(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The cache t (..., kv heads, max_len, d) with each head repeated for its group of q's heads: the readable
+    versions' GQA (a copy; the Triton decode kernel reads each cache head in place)."""
+    return t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) if t.shape[-3] != q.shape[-3] else t
+
+
+def capped(scores: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
 
 
 def decode_naive(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked to the visible positions) v, with the (n_new, max_len) scores in memory."""
-    scores = torch.matmul(q, k_cache.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~visible(cache_len, q, k_cache.shape[-2]), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v_cache)
+    scores = capped(torch.matmul(q, repeat_kv(k_cache, q).transpose(-2, -1)) * scale, softcap)
+    scores = scores.masked_fill(~visible(cache_len, q, k_cache.shape[-2], window), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), repeat_kv(v_cache, q))
 
 
 def decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
-                scale: float) -> torch.Tensor:
+                scale: float, window: Optional[int] = None) -> torch.Tensor:
     """scaled_dot_product_attention with the visibility as a boolean mask (PyTorch picks a kernel that takes one)."""
-    mask = visible(cache_len, q, k_cache.shape[-2])
+    mask = visible(cache_len, q, k_cache.shape[-2], window)
     if q.dim() == 4:
-        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale)
+        gqa = {"enable_gqa": True} if k_cache.shape[-3] != q.shape[-3] else {}
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, **gqa)
     # The fused kernels want (batch, heads, seq, d): fold any other leading dims into two.
+    k_cache, v_cache = repeat_kv(k_cache, q), repeat_kv(v_cache, q)
     q4, k4, v4, m4 = (t.reshape((-1, 1) + tuple(t.shape[-2:])) for t in (q, k_cache, v_cache, mask))
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=scale).reshape(q.shape)
 
 
-register_decode("naive")(decode_naive)
-register_decode("sdpa")(decode_sdpa)
+def _sdpa_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:
+    if k_cache.shape[-3] != q.shape[-3] and q.dim() == 4 and not HAS_GQA:
+        return f"SDPA runs grouped-query attention from torch 2.5 (enable_gqa), this is {torch.__version__}"
+    return None
+
+
+register_decode("naive", variants=("gqa", "window", "softcap"))(decode_naive)
+register_decode("sdpa", input_check=_sdpa_decode_problem, variants=("gqa", "window"))(decode_sdpa)
 
 
 def _flex_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:

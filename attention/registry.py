@@ -1,8 +1,18 @@
 """The attention registry: backends by name, and why one cannot run a given input.
 
-Every backend computes softmax(q k^T * scale [+ causal mask]) v on tensors shaped
-(..., seq, d_head). Backends register themselves with `register`; callers ask by name
-with `get_attention`, so the model never knows which kernel runs.
+Every backend computes softmax(q k^T * scale [+ mask]) v on tensors shaped (..., seq, d_head). Backends register
+themselves with `register`; callers ask by name with `get_attention`, so the model never knows which kernel runs:
+
+    o = attn(q, k, v, causal=False, scale=None, window=None, softcap=None, doc_ids=None)
+
+The variants beyond plain multi-head attention (docs/flash.md, Variants), all combinable:
+    GQA/MQA   q (..., h_q, n_q, d), k and v (..., h_kv, n_k, d) with h_q % h_kv == 0; query head i uses key/value
+              head i // (h_q // h_kv). Leading dims before the heads must match.
+    window    int >= 1. With causal, query i sees keys j with i - window < j <= i; without, |i - j| < window.
+    softcap   float > 0. The scores s = scale * q.k become softcap * tanh(s / softcap) before the softmax.
+    doc_ids   integer tensor broadcastable to q.shape[:-3] + (n,), non-decreasing along the sequence; self-attention
+              only (n_q == n_k). Position i attends j only where doc_ids[i] == doc_ids[j].
+A backend lists the variants it runs (`register(..., variants=...)`); `why_not` says why one cannot.
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ import torch
 
 class AttentionFn(Protocol):
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
+        window: Optional[int] = None, softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor: ...
 
 
@@ -39,6 +50,45 @@ InputCheck = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], Optional
 DecodeCheck = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Optional[str]]
 DecodeFn = Callable[..., torch.Tensor]
 
+# The variants a backend may support, and how a refusal names them.
+VARIANTS = {
+    "gqa": "grouped-query attention (fewer key/value heads than query heads)",
+    "window": "sliding windows",
+    "softcap": "logit soft-capping",
+    "doc_ids": "document masks (doc_ids)",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The validated variant arguments of one call; None where not used."""
+
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    doc_ids: Optional[torch.Tensor] = None
+
+    def kwargs(self) -> dict:
+        """The arguments a backend function gets beyond (q, k, v, causal, scale): only those in use, so that plain
+        calls reach every backend exactly as before variants existed."""
+        return {n: x for n, x in (("window", self.window), ("softcap", self.softcap), ("doc_ids", self.doc_ids))
+                if x is not None}
+
+    def used(self, q: torch.Tensor, k: torch.Tensor) -> list[str]:
+        """The names (keys of VARIANTS) of the variants this call uses."""
+        return (["gqa"] if kv_groups(q, k) > 1 else []) + list(self.kwargs())
+
+
+PLAIN = Variant()
+# The variants a decode path may run (documents do not apply: a cache holds one sequence per batch row).
+DECODE_VARIANTS = {n: VARIANTS[n] for n in ("gqa", "window", "softcap")}
+# (q, k, v, causal, variant) -> None, or why a backend cannot run a variant it supports in general.
+VariantCheck = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, Variant], Optional[str]]
+
+
+def kv_groups(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query heads per key/value head: h_q // h_kv (1 without a head dim)."""
+    return q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] else 1
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -49,6 +99,9 @@ class Backend:
     input_check: InputCheck = field(default=lambda q, k, v, causal: None)
     decode: Optional[DecodeFn] = None  # decode(q, k_cache, v_cache, cache_len, scale), see attention/decode.py
     decode_check: DecodeCheck = field(default=lambda q, k_cache, v_cache: None)
+    decode_variants: frozenset = frozenset()  # of "gqa", "window", "softcap": what its decode path runs
+    variants: frozenset = frozenset()  # the keys of VARIANTS it runs
+    variant_check: VariantCheck = field(default=lambda q, k, v, causal, variant: None)
 
 
 @dataclass(frozen=True)
@@ -59,6 +112,7 @@ class BackendStatus:
     available: bool
     reason: Optional[str]  # why it cannot run here, when not available
     description: str
+    variants: tuple[str, ...] = ()  # the keys of VARIANTS it runs
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -70,13 +124,25 @@ def register(
     description: str,
     environment_check: EnvironmentCheck = lambda: None,
     input_check: InputCheck = lambda q, k, v, causal: None,
+    variants: tuple[str, ...] = (),
+    variant_check: Optional[VariantCheck] = None,
 ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
-    """Decorator: register `fn(q, k, v, causal, scale) -> o` under `name`."""
+    """Decorator: register `fn(q, k, v, causal, scale, **variant) -> o` under `name`.
+
+    variants: the keys of VARIANTS it runs; fn gets those in use as keyword arguments (window=, softcap=,
+    doc_ids= as given to the call, GQA through the shapes of q and k). variant_check(q, k, v, causal, variant):
+    why it cannot run a particular use of them (e.g. a mask too large to materialise), or None.
+    """
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown attention variants {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
 
     def decorate(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         if name in _BACKENDS:
             raise ValueError(f"attention backend {name!r} is registered twice")
-        _BACKENDS[name] = Backend(name, fn, description, environment_check, input_check)
+        _BACKENDS[name] = Backend(name, fn, description, environment_check, input_check,
+                                  variants=frozenset(variants),
+                                  variant_check=variant_check or (lambda q, k, v, causal, variant: None))
         return fn
 
     return decorate
@@ -91,12 +157,15 @@ def list_attention() -> list[BackendStatus]:
     rows = []
     for b in _BACKENDS.values():
         reason = b.environment_check()
-        rows.append(BackendStatus(b.name, reason is None, reason, b.description))
+        rows.append(BackendStatus(b.name, reason is None, reason, b.description,
+                                  tuple(n for n in VARIANTS if n in b.variants)))
     return rows
 
 
-def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-    """Checks shared by every backend; raises UnsupportedInputError naming the problem."""
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, allow_gqa: bool = False) -> None:
+    """Checks shared by every backend; raises UnsupportedInputError naming the problem.
+
+    allow_gqa: k and v may have fewer heads (dim -3) than q, a divisor of q's."""
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, torch.Tensor):
             raise UnsupportedInputError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
@@ -110,7 +179,14 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         raise UnsupportedInputError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
         raise UnsupportedInputError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[:-2] != k.shape[:-2]:
+    if allow_gqa and q.dim() >= 3 and q.dim() == k.dim() and q.shape[:-3] == k.shape[:-3] \
+            and q.shape[-3] != k.shape[-3]:
+        if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+            raise UnsupportedInputError(
+                f"q and k must share leading dims, up to grouped-query attention, where q's heads (dim -3) are a "
+                f"multiple of k's: got q {tuple(q.shape)} and k {tuple(k.shape)}"
+            )
+    elif q.shape[:-2] != k.shape[:-2]:
         raise UnsupportedInputError(
             f"q and k must share leading dims, got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
@@ -124,6 +200,64 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         )
 
 
+def validate_variant(q: torch.Tensor, k: torch.Tensor, causal: bool, window: Optional[int] = None,
+                     softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None) -> Variant:
+    """The variant arguments of a call on validated q, k, checked; raises UnsupportedInputError naming the problem."""
+    if window is None and softcap is None and doc_ids is None:
+        return PLAIN
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise UnsupportedInputError(f"window must be an int >= 1, got {window!r}")
+        # Without causal, query i sees keys i - window < j < i + window: rows past n_k + window - 1 would see none.
+        if not causal and n_q > n_k + window - 1:
+            raise UnsupportedInputError(
+                f"with window {window}, queries {n_k + window - 1}.. of {n_q} would see no key of {n_k}"
+            )
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+                math.isfinite(softcap) and softcap > 0):
+            raise UnsupportedInputError(f"softcap must be a finite number > 0, got {softcap!r}")
+        softcap = float(softcap)
+    if doc_ids is not None:
+        if not isinstance(doc_ids, torch.Tensor) or doc_ids.is_floating_point() or doc_ids.is_complex() \
+                or doc_ids.dtype == torch.bool:
+            what = f"{doc_ids.dtype} tensor" if isinstance(doc_ids, torch.Tensor) else type(doc_ids).__name__
+            raise UnsupportedInputError(f"doc_ids must be an integer tensor, got a {what}")
+        if n_q != n_k:
+            raise UnsupportedInputError(
+                f"doc_ids is for self-attention: it needs equal query and key lengths, got {n_q} and {n_k}"
+            )
+        lead = tuple(q.shape[:-3])
+        shape = tuple(doc_ids.shape)
+        broadcastable = 1 <= len(shape) <= len(lead) + 1 and shape[-1] == n_q and all(
+            a in (1, b) for a, b in zip(reversed(shape[:-1]), reversed(lead)))
+        if not broadcastable:
+            raise UnsupportedInputError(
+                f"doc_ids must be broadcastable to q.shape[:-3] + (seq,) = {lead + (n_q,)}, got shape {shape}"
+            )
+        if doc_ids.device != q.device:
+            raise UnsupportedInputError(f"doc_ids must be on q's device {q.device}, got {doc_ids.device}")
+        # Checked on the CPU in eager code only: on a GPU it would cost a device sync per call, and compiled code
+        # cannot branch on tensor values. Kernels that skip tiles rely on it.
+        if doc_ids.device.type == "cpu" and n_q > 1 and not torch.compiler.is_compiling() \
+                and bool((doc_ids[..., 1:] < doc_ids[..., :-1]).any()):
+            raise UnsupportedInputError("doc_ids must be non-decreasing along the sequence (packed documents)")
+    return Variant(window, softcap, doc_ids)
+
+
+def variant_problem(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    variant: Variant) -> Optional[str]:
+    """Why `backend` cannot run the variants this call uses, or None."""
+    used = variant.used(q, k)
+    if not used:
+        return None
+    missing = [VARIANTS[n] for n in used if n not in backend.variants]
+    if missing:
+        return f"it does not support {', '.join(missing)}"
+    return backend.variant_check(q, k, v, causal, variant)
+
+
 def get_attention(name: str) -> AttentionFn:
     """The backend registered as `name`, wrapped with input validation."""
     if name not in _BACKENDS:
@@ -131,21 +265,27 @@ def get_attention(name: str) -> AttentionFn:
     backend = _BACKENDS[name]
 
     def attention(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
+        window: Optional[int] = None, softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        validate_qkv(q, k, v, causal)
-        reason = backend.environment_check() or backend.input_check(q, k, v, causal)
+        validate_qkv(q, k, v, causal, allow_gqa=True)
+        variant = validate_variant(q, k, causal, window, softcap, doc_ids)
+        reason = (backend.environment_check() or backend.input_check(q, k, v, causal)
+                  or variant_problem(backend, q, k, v, causal, variant))
         if reason is not None:
             raise UnsupportedInputError(f"attention backend {name!r} cannot run this input: {reason}")
-        return backend.fn(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        return backend.fn(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+                          **variant.kwargs())
 
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor, *,
-               scale: Optional[float] = None) -> torch.Tensor:
-        reason = why_not_decode(name, q, k_cache, v_cache, cache_len)
+               scale: Optional[float] = None, window: Optional[int] = None,
+               softcap: Optional[float] = None) -> torch.Tensor:
+        reason = why_not_decode(name, q, k_cache, v_cache, cache_len, window=window, softcap=softcap)
         if reason is not None:
             raise UnsupportedInputError(f"attention backend {name!r} cannot decode this input: {reason}")
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale)
+        variant = {n: x for n, x in (("window", window), ("softcap", softcap)) if x is not None}
+        return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale, **variant)
 
     attention.decode = decode
     attention.__name__ = f"attention_{name}"
@@ -186,30 +326,39 @@ def launches_replayed() -> bool:
     return graph_replay_requested() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def why_not(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Optional[str]:
-    """None if backend `name` can run this input, else the reason (no exception)."""
+def why_not(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, *,
+            window: Optional[int] = None, softcap: Optional[float] = None,
+            doc_ids: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None if backend `name` can run this input (and these variants), else the reason (no exception)."""
     try:
-        validate_qkv(q, k, v, causal)
+        validate_qkv(q, k, v, causal, allow_gqa=True)
+        variant = validate_variant(q, k, causal, window, softcap, doc_ids)
     except UnsupportedInputError as e:
         return str(e)
     b = _BACKENDS[name]
-    return b.environment_check() or b.input_check(q, k, v, causal)
+    return b.environment_check() or b.input_check(q, k, v, causal) or variant_problem(b, q, k, v, causal, variant)
 
 
-def register_decode(name: str, *, input_check: DecodeCheck = lambda q, k_cache, v_cache: None
-                    ) -> Callable[[DecodeFn], DecodeFn]:
+def register_decode(name: str, *, input_check: DecodeCheck = lambda q, k_cache, v_cache: None,
+                    variants: tuple[str, ...] = ()) -> Callable[[DecodeFn], DecodeFn]:
     """Decorator: give the registered backend `name` a decode path `fn(q, k_cache, v_cache, cache_len, scale)`.
 
     Decode attention (attention/decode.py): q (..., heads, n_new, d_head) against the first cache_len positions
-    of k_cache, v_cache (..., heads, max_len, d_head); callers reach it as `get_attention(name).decode(...)`.
+    of k_cache, v_cache (..., kv heads, max_len, d_head); callers reach it as `get_attention(name).decode(...)`.
+    variants: of "gqa" (fewer cache heads than query heads), "window" and "softcap", what fn runs; fn gets
+    window= and softcap= as keyword arguments when they are in use.
     """
+    unknown = set(variants) - set(DECODE_VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown decode variants {sorted(unknown)}; valid: {', '.join(DECODE_VARIANTS)}")
 
     def decorate(fn: DecodeFn) -> DecodeFn:
         if name not in _BACKENDS:
             raise UnknownBackendError(f"decode for unknown attention backend {name!r}")
         if _BACKENDS[name].decode is not None:
             raise ValueError(f"attention backend {name!r} has two decode paths")
-        _BACKENDS[name] = dataclasses.replace(_BACKENDS[name], decode=fn, decode_check=input_check)
+        _BACKENDS[name] = dataclasses.replace(_BACKENDS[name], decode=fn, decode_check=input_check,
+                                              decode_variants=frozenset(variants))
         return fn
 
     return decorate
@@ -218,7 +367,7 @@ def register_decode(name: str, *, input_check: DecodeCheck = lambda q, k_cache, 
 def validate_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cache_len: int | torch.Tensor) -> None:
     """Shape, dtype and device checks of a decode call; raises UnsupportedInputError naming the problem."""
-    validate_qkv(q, k_cache, v_cache, causal=False)
+    validate_qkv(q, k_cache, v_cache, causal=False, allow_gqa=True)
     if q.shape[-2] > k_cache.shape[-2]:
         raise UnsupportedInputError(f"{q.shape[-2]} new queries do not fit a cache of {k_cache.shape[-2]} positions")
     if isinstance(cache_len, torch.Tensor):
@@ -236,13 +385,19 @@ def validate_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def why_not_decode(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   cache_len: int | torch.Tensor) -> Optional[str]:
-    """None if backend `name` can run this decode call, else the reason (no exception)."""
+                   cache_len: int | torch.Tensor, *, window: Optional[int] = None,
+                   softcap: Optional[float] = None) -> Optional[str]:
+    """None if backend `name` can run this decode call (with these variants), else the reason (no exception)."""
     b = _BACKENDS[name]
     if b.decode is None:
         return "it has no decode path"
     try:
         validate_decode(q, k_cache, v_cache, cache_len)
+        variant = validate_variant(q, k_cache, True, window, softcap)
     except UnsupportedInputError as e:
         return str(e)
+    used = variant.used(q, k_cache)
+    missing = [DECODE_VARIANTS[n] for n in used if n not in b.decode_variants]
+    if missing:
+        return f"its decode path does not run {', '.join(missing)}"
     return b.environment_check() or b.decode_check(q, k_cache, v_cache)

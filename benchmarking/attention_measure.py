@@ -28,7 +28,7 @@ import torch
 
 from attention import flash_kernels, get_attention, graph_replay, why_not
 from benchmarking.attention_memory import SavedTensor, SavedTensorRecorder
-from benchmarking.attention_point import AttentionInputs, AttentionPoint
+from benchmarking.attention_point import AttentionInputs, AttentionPoint, variant_kwargs
 from benchmarking.attention_reference import Reference, errors
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
 from benchmarking.timing import (allocated_bytes, captured, peak_allocated_bytes, reset_peak_memory, tflops,
@@ -49,14 +49,15 @@ def _clear_grads(inputs: AttentionInputs) -> None:
         t.grad = None
 
 
-def run_mode(name: str, inputs: AttentionInputs, causal: bool) -> tuple[Optional[str], Optional[str]]:
+def run_mode(name: str, inputs: AttentionInputs, point: AttentionPoint) -> tuple[Optional[str], Optional[str]]:
     """('train', None), ('forward', why backward is skipped) or (None, why it cannot run at all)."""
-    reason = why_not(name, inputs.q, inputs.k, inputs.v, causal)
+    variant = variant_kwargs(point, inputs)
+    reason = why_not(name, inputs.q, inputs.k, inputs.v, point.causal, **variant)
     if reason is None:
         return "train", None
     with torch.no_grad():  # some backends only lack a backward (their check looks at requires_grad)
         detached = [t.detach() for t in inputs.leaves()]
-        forward_reason = why_not(name, *detached, causal)
+        forward_reason = why_not(name, *detached, point.causal, **variant)
     if forward_reason is None:
         return "forward", reason
     return None, reason
@@ -149,18 +150,19 @@ def _graph_times(attend: Callable, inputs: AttentionInputs, device: torch.device
     return row, note
 
 
-def kernel_columns(name: str, inputs: AttentionInputs, causal: bool, graph_timing: bool) -> dict[str, object]:
+def kernel_columns(name: str, inputs: AttentionInputs, point: AttentionPoint, graph_timing: bool
+                   ) -> dict[str, object]:
     """fwd_kernel, bwd_kernel and kernel_reason of backends that choose between kernels (flash); empty otherwise.
 
     With graph_timing, the reason also gives the choice for launches replayed from a CUDA graph where it differs.
     """
     if name != "flash":
         return {}
-    q, k, v = inputs.q, inputs.k, inputs.v
-    choice = flash_kernels(q, k, v, causal, do=inputs.grad_out, replayed=False)
+    q, k, v, variant = inputs.q, inputs.k, inputs.v, variant_kwargs(point, inputs)
+    choice = flash_kernels(q, k, v, point.causal, do=inputs.grad_out, replayed=False, **variant)
     reason = str(choice)
     if graph_timing:
-        replayed = flash_kernels(q, k, v, causal, do=inputs.grad_out, replayed=True)
+        replayed = flash_kernels(q, k, v, point.causal, do=inputs.grad_out, replayed=True, **variant)
         if (replayed.forward, replayed.backward) != (choice.forward, choice.backward):
             reason += f" | replayed from a CUDA graph: {replayed}"
     return {"fwd_kernel": choice.forward, "bwd_kernel": choice.backward, "kernel_reason": reason}
@@ -174,14 +176,15 @@ def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, r
     Raises what the backend raises (the caller turns OOM into a row); `ref` None skips the error columns.
     """
     device = torch.device(device)
-    mode, reason = run_mode(name, inputs, point.causal)
+    mode, reason = run_mode(name, inputs, point)
     if mode is None:
         return Measurement({"status": "unsupported", "note": reason}, None)
     train = mode == "train"
     backend = get_attention(name)
+    variant = variant_kwargs(point, inputs)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return backend(q, k, v, causal=point.causal)
+        return backend(q, k, v, causal=point.causal, **variant)
 
     # Warm-up: compilation and autotuning must not land in the measured memory or times.
     if train:
@@ -193,7 +196,7 @@ def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, r
 
     measured = _memory_and_correctness(attend, inputs, point, ref, device, train)
     row: dict[str, object] = {"status": "ok", "note": None if train else f"forward only: {reason}"}
-    row.update(kernel_columns(name, inputs, point.causal, graph_timing and train))
+    row.update(kernel_columns(name, inputs, point, graph_timing and train))
     row.update(measured.row)
     if time_passes:
         # Memory and errors above stay in the row if only the repeated timing calls run out of memory.
@@ -204,7 +207,7 @@ def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, r
             return Measurement(row, measured.saved)
         row.update(timed.value)
         for pass_name in ("fwd", "bwd", "fwdbwd"):
-            row[f"{pass_name}_tflops"] = tflops(point.flop(pass_name), row.get(f"{pass_name}_ms"))
+            row[f"{pass_name}_tflops"] = tflops(point.flop(pass_name, inputs.pairs), row.get(f"{pass_name}_ms"))
         if graph_timing and train:
             graphed = call_catching_oom(lambda: _graph_times(attend, inputs, device, iters, warmup))
             _clear_grads(inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,13 @@ class ModelConfig:
     context_length: int = 1024
     rope_theta: float = 10_000.0
     attn: str = "sdpa"  # attention backend name, looked up in the registry
+    # Attention variants (attention/registry.py). n_kv_heads: key/value heads (GQA; None: n_heads). window: the
+    # sliding window of the local layers; window_pattern says which layers are local (L) and global (G), repeated
+    # over the layers: "LLLG" is three local then one global. attn_softcap: logit soft-capping of every layer.
+    n_kv_heads: Optional[int] = None
+    window: Optional[int] = None
+    window_pattern: str = "L"
+    attn_softcap: Optional[float] = None
     # Under bf16/fp16 autocast, Linear weight gradients come out of the matmul in fp32 (model/layers.py); False: as
     # plain autocast, rounded to the low dtype and then cast. Changes no parameter, only how dW is computed.
     fp32_weight_grads: bool = True
@@ -27,10 +35,29 @@ class ModelConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.d_head % 2:
             raise ValueError(f"RoPE needs an even d_head, got d_model/n_heads = {self.d_head}")
+        if self.n_kv_heads is not None and not (1 <= self.n_kv_heads <= self.n_heads
+                                                and self.n_heads % self.n_kv_heads == 0):
+            raise ValueError(f"n_kv_heads must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
+            raise ValueError(f"window_pattern must be letters L (local) and G (global), got {self.window_pattern!r}")
+        if self.attn_softcap is not None and not self.attn_softcap > 0:
+            raise ValueError(f"attn_softcap must be > 0, got {self.attn_softcap}")
 
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of block `layer`: `window` where window_pattern marks it local, else None."""
+        if self.window is None or self.window_pattern[layer % len(self.window_pattern)] == "G":
+            return None
+        return self.window
 
     def to_dict(self) -> dict:
         return asdict(self)

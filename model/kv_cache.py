@@ -2,7 +2,7 @@
 
 `KVCache` holds the keys and values of every layer for `batch` sequences of up to `max_len` tokens
 ((layers, batch, heads, max_len, d_head) each, in the dtype the model computes in) and `lengths`, the tokens cached
-per sequence. Nothing is reallocated or resized while sampling, so a decode step has the same shapes and addresses
+per sequence; with GQA, heads are the model's key/value heads. Nothing is reallocated or resized while sampling, so a decode step has the same shapes and addresses
 every time and can be compiled and captured in a CUDA graph (the design of gpt-fast).
 
 The model takes the cache through `TransformerLM.forward(ids, cache=...)`; each attention layer hands its q, k, v
@@ -35,7 +35,7 @@ class KVCache(nn.Module):
         super().__init__()
         if not 1 <= max_len <= cfg.context_length:
             raise ValueError(f"max_len must be in 1..context_length ({cfg.context_length}), got {max_len}")
-        shape = (cfg.n_layers, batch, cfg.n_heads, max_len, cfg.d_head)
+        shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.d_head)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
@@ -64,8 +64,10 @@ class LayerCache:
         self.k, self.v = cache.k[index], cache.v[index]  # (batch, heads, max_len, d_head) views
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryEmbedding,
-               attention) -> torch.Tensor:
-        """q, k, v: (batch, n_new, heads, d_head), before RoPE -> (batch, n_new, heads * d_head)."""
+               attention, variant: Optional[dict] = None) -> torch.Tensor:
+        """q: (batch, n_new, heads, d_head), k, v: (batch, n_new, kv heads, d_head), before RoPE -> (batch, n_new,
+        heads * d_head). variant: the layer's window and softcap, as its training attention takes them."""
+        variant = variant or {}
         n_new = q.shape[1]
         if not self.cache.filled:
             # The prefill: positions 0..n_new-1 of every sequence, attention as in training.
@@ -73,7 +75,7 @@ class LayerCache:
             self.k[:, :, :n_new] = einx.id("b s h d -> b h s d", k)
             self.v[:, :, :n_new] = einx.id("b s h d -> b h s d", v)
             q, k, v = (einx.id("b s h d -> b h s d", t.contiguous()) for t in (q, k, v))
-            o = attention(q, k, v, causal=True)
+            o = attention(q, k, v, causal=True, **variant)
         else:
             positions = self.cache.lengths[:, None] + torch.arange(n_new, device=q.device)  # (batch, n_new)
             # RoPE tables gathered at each sequence's own positions; max_len <= context_length keeps them in range.
@@ -83,5 +85,5 @@ class LayerCache:
             # Advanced indices (rows, positions) around a slice: the written block is (batch, n_new, heads, d_head).
             self.k[rows, :, positions] = k
             self.v[rows, :, positions] = v
-            o = attention.decode(einx.id("b s h d -> b h s d", q), self.k, self.v, positions[:, -1] + 1)
+            o = attention.decode(einx.id("b s h d -> b h s d", q), self.k, self.v, positions[:, -1] + 1, **variant)
         return einx.id("b h s d -> b s (h d)", o)

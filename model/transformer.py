@@ -16,44 +16,66 @@ from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE on q and k; the kernel comes from the registry."""
+    """Multi-head causal self-attention with RoPE on q and k; the kernel comes from the registry.
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    With n_kv_heads < n_heads (GQA) the fused projection is (q: heads, k: kv heads, v: kv heads) * d_head wide, and
+    the backend gets k and v with their kv heads (never repeated). window: this layer's sliding window, or None.
+    """
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: Optional[int] = None):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, cfg.fp32_weight_grads)
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_heads * cfg.d_head, cfg.fp32_weight_grads)
         self.out = Linear(cfg.d_model, cfg.d_model, cfg.fp32_weight_grads)
         self.rope = rope
         self.attend = get_attention(cfg.attn)
+        # Only the variants in use reach the backend, so a plain model runs on every backend.
+        self.variant = {name: value for name, value in (("window", window), ("softcap", cfg.attn_softcap))
+                        if value is not None}
 
-    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
-        # (batch, seq, 3 * d_model) -> three of (batch, seq, heads, d_head), views of the fused projection.
-        q, k, v = einx.id("b s (three h d) -> three b s h d", self.qkv(x), three=3, h=self.n_heads)
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, doc_ids: Optional[torch.Tensor] = None,
+                rope_angles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """doc_ids (batch, seq): packed documents, attended separately; rope_angles: (cos, sin) of each position
+        (batch, seq, 1, d_head / 2), for positions that restart at each document."""
+        if self.n_kv_heads == self.n_heads:
+            # (batch, seq, 3 * d_model) -> three of (batch, seq, heads, d_head), views of the fused projection.
+            q, k, v = einx.id("b s (three h d) -> three b s h d", self.qkv(x), three=3, h=self.n_heads)
+        else:
+            q, kv = self.qkv(x).split([x.shape[-1], x.shape[-1] // self.n_heads * 2 * self.n_kv_heads], dim=-1)
+            q = einx.id("b s (h d) -> b s h d", q, h=self.n_heads)
+            k, v = einx.id("b s (two h d) -> two b s h d", kv, two=2, h=self.n_kv_heads)
         if cache is not None:  # sampling: RoPE at the cached positions, and the backend's decode attention
-            return self.out(cache.attend(q, k, v, self.rope, self.attend))
+            return self.out(cache.attend(q, k, v, self.rope, self.attend, self.variant))
         # q, k and v get storage of their own in (batch, seq, heads, d_head) order; the backend sees them as
         # (batch, heads, seq, d_head) views of it. Own storage: v saved for backward as a view would keep the whole
         # projection, q and k included, alive (0.7 GiB on `large` at b4 T1024). That order: attention outputs follow
         # q's memory order (cuDNN and flash), so the "b s (h d)" below is a view, not a second copy of o next to
         # the one the backend saves (0.35 GiB). Both measured with bench_model --memory-snapshot on the H100.
-        q, k = self.rope(q, seq_dim=-3), self.rope(k, seq_dim=-3)
+        if rope_angles is None:
+            q, k = self.rope(q, seq_dim=-3), self.rope(k, seq_dim=-3)
+        else:
+            q, k = (self.rope.rotate(t, *rope_angles) for t in (q, k))
         q, k, v = (einx.id("b s h d -> b h s d", t.contiguous()) for t in (q, k, v))
-        o = self.attend(q, k, v, causal=True)
+        if doc_ids is None:
+            o = self.attend(q, k, v, causal=True, **self.variant)
+        else:
+            o = self.attend(q, k, v, causal=True, doc_ids=doc_ids, **self.variant)
         return self.out(einx.id("b h s d -> b s (h d)", o))
 
 
 class Block(nn.Module):
     """x + attn(norm(x)), then x + swiglu(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg, rope)
+        self.attn = CausalSelfAttention(cfg, rope, cfg.layer_window(layer))
         self.ffn_norm = RMSNorm(cfg.d_model)
         self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.fp32_weight_grads)
 
-    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache)
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, doc_ids: Optional[torch.Tensor] = None,
+                rope_angles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, doc_ids, rope_angles)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -63,23 +85,38 @@ class TransformerLM(nn.Module):
         self.cfg = cfg
         rope = RotaryEmbedding(cfg.d_head, cfg.rope_theta, cfg.context_length)  # one pair of tables for all layers
         self.embed = Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, rope) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, rope, i) for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.fp32_weight_grads)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids: (batch, seq) int64 -> logits (batch, seq, vocab), or the mean loss on targets (batch, seq).
 
-        cache: sampling (model/generation.py); ids are then the tokens after those already in the cache."""
+        cache: sampling (model/generation.py); ids are then the tokens after those already in the cache.
+        doc_ids: (batch, seq) non-decreasing ints, packed documents (training/packing.py): attention stays within a
+        document, and RoPE positions restart at 0 where each document starts."""
         if ids.shape[-1] > self.cfg.context_length:
             raise ValueError(f"sequence of {ids.shape[-1]} tokens exceeds context_length {self.cfg.context_length}")
         x = self.embed(ids)
+        if doc_ids is not None:
+            angles = self.document_rope_angles(doc_ids)
+            for block in self.blocks:
+                x = block(x, None, doc_ids, angles)
+            return self.loss_from_hidden(x, targets) if targets is not None else self.lm_head(self.final_norm(x))
         for i, block in enumerate(self.blocks):
             x = block(x) if cache is None else block(x, cache.layer(i))
         if targets is not None:
             return self.loss_from_hidden(x, targets)
         return self.lm_head(self.final_norm(x))
+
+    def document_rope_angles(self, doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), (batch, seq, 1, d_head / 2): RoPE at each position's offset within its document."""
+        rope = self.blocks[0].attn.rope
+        doc_ids = doc_ids.contiguous()
+        start = torch.searchsorted(doc_ids, doc_ids, side="left")  # where each position's document begins
+        positions = torch.arange(doc_ids.shape[-1], device=doc_ids.device) - start  # < seq <= context_length
+        return rope.cos[positions][:, :, None], rope.sin[positions][:, :, None]
 
     def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32 scalar) of the last hidden states x: (batch, seq, d_model)."""

@@ -7,17 +7,22 @@
 #
 # Steps (and their parts; a step without parts runs them all):
 #   tests        the GPU test suite: scripts/gpu_suite.py over tests/attention (fp32, fp16, bf16; fixed tiles,
-#                FLASH_ATTN_AUTOTUNE=0) -> tests/gpu-tests.json
+#                FLASH_ATTN_AUTOTUNE=0) -> tests/gpu-tests.json; parts are other test paths (tests:tests/model)
 #   attention    bench_attention.py, bf16, flash against SDPA's FlashAttention-2 and cuDNN kernels and FlexAttention
 #                in the same run:
 #                  leaderboard  --preset leaderboard --graph-timing         (B1 H16 N16384 D64 causal)
 #                  n4096        B1 H16 N4096 D64 causal, --graph-timing
 #                  n8192        B2 H16 N8192 D64 and D128, causal and not
 #                  n1024        B4 H20 N1024 D64 causal, --graph-timing     (the large model's attention)
+#                  variants     --preset variants (GQA, window, documents, softcap, all four; against flex, sdpa, cuDNN)
+#                  training     --preset training --graph-timing (the shapes models train with)
 #   train-steps  bench_model.py --mode train-step, bf16, compiled, every step replayed as one CUDA graph, AdamW after
 #                and during the backward (--overlap-optimizer both), ours with sdpa and flash against Hugging Face
 #                Llama in the same run:
 #                  small (batch 16, context 1024)   large (batch 4, context 1024)   2.7B (batch 4, context 512)
+#   train-variants  train.py, small, eager, bf16, flash, 300 steps on the built-in corpus as BPE (prepare_data.py):
+#                the plain model, the same with --pack-documents, and with GQA (4 kv heads), windows of 256 (LLLG),
+#                documents and a softcap of 50: losses and step times side by side
 #   profile      bench_model.py --profile on ours (sdpa, compiled), then scripts/kernel_categories.py: GPU ms per
 #                step by kernel category. Parts: large, 2.7B (shapes as in train-steps)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
@@ -74,8 +79,9 @@ step_tests() {
     local xdist=()
     # pytest-xdist compiles the many kernel variants in parallel; without it the suite runs in one process.
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 14)
+    # shellcheck disable=SC2046  # the test paths are meant to split
     run "$OUT/tests/gpu-tests.log" 450 "$PY" scripts/gpu_suite.py --out "$OUT/tests/gpu-tests.json" \
-        -- tests/attention "${xdist[@]}" -q
+        -- $(parts "$1" tests/attention) "${xdist[@]}" -q
     SUMMARIES+=(summary_tests)
 }
 summary_tests() {
@@ -89,7 +95,7 @@ summary_tests() {
 PEERS=(--backends flash,sdpa-flash,sdpa-cudnn,flex --baseline sdpa-cudnn --no-plots)
 step_attention() {
     local part dir
-    for part in $(parts "$1" leaderboard n4096 n8192 n1024); do
+    for part in $(parts "$1" leaderboard n4096 n8192 n1024 variants training); do
         dir="$OUT/attention/$part"
         echo "-- attention $part"
         case $part in
@@ -101,7 +107,10 @@ step_attention() {
                        --causal both "${PEERS[@]}" --out "$dir" ;;
             n1024) run "$dir.log" 120 "$PY" bench_attention.py --batch 4 --heads 20 --seq-lens 1024 --d-heads 64 \
                        --causal yes "${PEERS[@]}" --graph-timing --out "$dir" ;;
-            *) echo "unknown part attention:$part (leaderboard, n4096, n8192, n1024)"; STATUS=1 ;;
+            variants) run "$dir.log" 300 "$PY" bench_attention.py --preset variants --no-plots --out "$dir" ;;
+            training) run "$dir.log" 300 "$PY" bench_attention.py --preset training --graph-timing --no-plots \
+                          --out "$dir" ;;
+            *) echo "unknown part attention:$part (leaderboard, n4096, n8192, n1024, variants, training)"; STATUS=1 ;;
         esac
     done
     SUMMARIES+=(summary_attention)
@@ -135,6 +144,23 @@ step_train_steps() {
 summary_train_steps() {
     echo "## train-steps: bf16, compiled, CUDA graph ($OUT/train-steps/*/results.json)"
     summarize train-steps "$OUT"/train-steps/*/results.json
+}
+
+# --- train-variants --------------------------------------------------------------------------------------------
+step_train_variants() {
+    local dir="$OUT/train-variants" data=data/stdlib-bpe8192
+    local common=(--size small --attn flash --dtype bf16 --data "$data" --steps 300 --warmup-steps 30 --log-every 25
+                  --eval-every 100 --eval-batches 10 --no-checkpoint --wandb disabled --no-compile --no-cuda-graph)
+    run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$data" || return
+    run "$dir/plain.log" 240 "$PY" train.py "${common[@]}" --out "$dir/plain"
+    run "$dir/packed.log" 240 "$PY" train.py "${common[@]}" --pack-documents --out "$dir/packed"
+    run "$dir/variants.log" 240 "$PY" train.py "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 \
+        --window-pattern LLLG --attn-softcap 50 --out "$dir/variants"
+    SUMMARIES+=(summary_train_variants)
+}
+summary_train_variants() {
+    echo "## train-variants: small, eager, bf16, flash ($OUT/train-variants/*/metrics.jsonl)"
+    summarize train-variants "$OUT/train-variants"
 }
 
 # --- profile ---------------------------------------------------------------------------------------------------
@@ -175,8 +201,8 @@ step_distributed() {
         ddp_model=(--size tiny --n-layers 2 --context-length 64 --dtype fp32 --attn sdpa --device cpu)
         fsdp_model=("${ddp_model[@]}")
     else
-        ddp_model=(--size large --context-length 1024 --dtype bf16 --attn sdpa)
-        fsdp_model=(--size 10B --context-length 512 --dtype bf16 --attn sdpa)
+        ddp_model=(--size large --context-length 1024 --dtype bf16 --attn sdpa --no-compile)
+        fsdp_model=(--size 10B --context-length 512 --dtype bf16 --attn sdpa --no-compile)
         if [ "$DRY_RUN" = 0 ]; then
             n_gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())") || n_gpus=0
             if [ "$n_gpus" -lt 2 ]; then echo "distributed needs 2 GPUs, found $n_gpus"; STATUS=1; return; fi
@@ -234,8 +260,8 @@ if kind == "attention":
         if not path.exists():
             continue
         for r in json.loads(path.read_text())["rows"]:
-            shape = (f"B{r['batch']} H{r['heads']} N{r['seq']} D{r['d_head']}"
-                     f" {'causal' if r['causal'] else 'no mask'}")
+            shape = " ".join([f"B{r['batch']} H{r['heads']} N{r['seq']} D{r['d_head']}",
+                              "causal" if r["causal"] else "no mask", *r.get("point", "").split()[6:]])
             print(f"{shape:<26} {r['backend']:<11} {fmt(r.get('fwd_ms')):>7} {fmt(r.get('fwd_tflops'), '.0f'):>7}"
                   f" {fmt(r.get('bwd_ms')):>7} {fmt(r.get('fwdbwd_ms')):>8} {fmt(r.get('fwdbwd_graph_ms')):>8}"
                   f"  {r['status']}")
@@ -251,6 +277,21 @@ elif kind == "train-steps":
             print(f"{r['size']:<6} {r['impl']:<5} {r['attn']:<6} {adamw:<10} {ms:>16}"
                   f" {fmt(r.get('tokens_per_s'), ',.0f'):>9} {mfu:>6} {fmt(r.get('peak_mem_gib'), '.2f'):>6}"
                   f"  {r['status']}")
+elif kind == "train-variants":
+    print(f"{'run':<9} {'step ms':>8} {'tokens/s':>9} {'MFU':>6}  losses every 25 steps; validation")
+    for name in ("plain", "packed", "variants"):
+        path = paths[0] / name / "metrics.jsonl"
+        if not path.exists():
+            continue
+        r = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        train = [x for x in r if "loss" in x and "step_ms" in x]
+        val = [x for x in r if "val_loss" in x]
+        if not train:
+            continue
+        last = train[-1]
+        mfu = f"{100 * last['mfu']:.1f}%" if last.get("mfu") is not None else "-"
+        print(f"{name:<9} {last['step_ms']:>8.1f} {last['tokens_per_s']:>9,.0f} {mfu:>6}  "
+              + " ".join(f"{x['loss']:.2f}" for x in train) + "; " + " ".join(f"{x['val_loss']:.3f}" for x in val))
 elif kind == "distributed":
     logs = paths[0]
 
@@ -287,8 +328,9 @@ for arg in "$@"; do
     case $arg in
         -n|--dry-run) DRY_RUN=1 ;;
         -h|--help) usage; exit 0 ;;
-        tests|attention*|train-steps*|profile*|distributed*) steps+=("$arg") ;;
-        *) echo "unknown step '$arg'; steps: tests attention train-steps profile distributed (--help)" >&2; exit 2 ;;
+        tests*|attention*|train-steps*|train-variants|profile*|distributed*) steps+=("$arg") ;;
+        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants profile distributed (--help)" >&2
+           exit 2 ;;
     esac
 done
 [ ${#steps[@]} -eq 0 ] && { usage; exit 2; }
@@ -297,6 +339,7 @@ mkdir -p "$OUT"
 if [ -d .wheels ] && [ "$DRY_RUN" = 0 ]; then  # what the GPU image lacks, without network access
     wheels=(einx wandb)
     [[ " ${steps[*]}" == *" train-steps"* ]] && wheels+=(transformers)
+    [[ " ${steps[*]}" == *" train-variants"* ]] && wheels+=(tokenizers)
     "$PY" -m pip install -q --no-index --find-links .wheels "${wheels[@]}" || echo "warning: installing ${wheels[*]} from .wheels failed"
 fi
 

@@ -187,6 +187,12 @@ def test_presets_and_overrides():
     (["--causal", "maybe"], "argument --causal: invalid choice: 'maybe'"),
     (["--wandb", "cloud"], "argument --wandb: invalid choice: 'cloud'"),
     (["--graph-timing", "--device", "cpu"], "--graph-timing replays CUDA graphs: it needs --device cuda, got cpu"),
+    (["--heads", "8", "--kv-heads", "3"], "--kv-heads 3: must divide --heads 8"),
+    (["--softcap", "-1"], "argument --softcap: must be a finite number > 0, got -1"),
+    (["--softcap", "inf"], "argument --softcap: must be a finite number > 0, got inf"),
+    (["--window", "0"], "argument --window: sizes must be positive, got 0"),
+    (["--preset", "variants", "--seq-lens", "64"], "--seq-lens: --preset variants lists its own points"),
+    (["--preset", "training", "--window", "64"], "--window: --preset training lists its own points"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -221,3 +227,38 @@ def test_graph_timing_adds_replayed_times(tmp_path):
         assert row["fwdbwd_graph_ratio"] == pytest.approx(
             row["fwdbwd_graph_ms"] / result.rows[1]["fwdbwd_graph_ms"])
     assert "replayed from a CUDA graph" in (tmp_path / "results.md").read_text()
+
+
+def test_listed_point_presets():
+    parser = bench_attention.build_parser()
+    variants = bench_attention.resolve_config(parser.parse_args(["--preset", "variants", "--dtype", "fp16"]), parser)
+    points = variants.points()
+    assert [p.label() for p in points] == [
+        "b4 h32 seq=8192 d=128 fp16 causal kv8",
+        "b1 h16 seq=16384 d=64 fp16 causal",
+        "b1 h16 seq=16384 d=64 fp16 causal window=1024",
+        "b1 h16 seq=16384 d=64 fp16 causal docs=1024",
+        "b1 h16 seq=16384 d=64 fp16 causal softcap=50",
+        "b1 h16 seq=16384 d=64 fp16 causal kv4 window=1024 softcap=50 docs=1024"]
+    training = bench_attention.resolve_config(parser.parse_args(["--preset", "training"]), parser)
+    assert training.baseline == "sdpa-cudnn" and len(training.points()) == 9
+    assert [p.causal for p in training.points()].count(False) == 1
+
+
+def test_variant_flags_measure_every_backend_against_the_float64_reference(tmp_path):
+    names = [n for n in ("naive", "sdpa", "flash-torch", "flash") if n in {b.name for b in list_attention()
+                                                                          if b.available}]
+    argv = ["--backends", ",".join(names), "--seq-lens", "40", "--d-heads", "16", "--heads", "4", "--kv-heads", "2",
+            "--window", "9", "--doc-len", "12", "--dtype", "fp32", "--iters", "1", "--warmup", "0", "--no-plots"]
+    result = bench_attention.main([*argv, "--out", str(tmp_path / "masks")])
+    for r in result.rows:
+        assert (r["status"], r["check"], r["kv_heads"], r["window"], r["doc_len"]) == ("ok", "ok", 2, 9, 12), r
+        assert r["err_dk"] is not None and r["point"] == "b1 h4 seq=40 d=16 fp32 causal kv2 window=9 docs=12"
+        # Windows and documents count only the scores computed: fewer than the causal half.
+        assert r["fwd_tflops"] * 1e12 * r["fwd_ms"] * 1e-3 < 4 * 4 * 40 * 41 / 2 * 16
+    capped = bench_attention.main([*argv, "--softcap", "5", "--out", str(tmp_path / "capped")])
+    sdpa = next(r for r in capped.rows if r["backend"] == "sdpa")
+    assert sdpa["status"] == "unsupported" and "logit soft-capping" in sdpa["note"]
+    assert all(r["check"] == "ok" for r in capped.rows if r["backend"] != "sdpa")
+    text = (tmp_path / "capped" / "results.md").read_text()
+    assert "softcap=5" in text and "does not support logit soft-capping" in text

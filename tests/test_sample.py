@@ -111,3 +111,21 @@ def test_a_run_on_prepared_data_samples_with_its_tokenizer(tmp_path, capsys):
     code, out, _ = run(capsys, "--out", str(tmp_path), "--prompt", "def main", "--max-new-tokens", "5",
                        "--temperature", "0")
     assert code == 0 and out.rstrip("\n") == tokenizer.decode(ids)
+
+
+def test_a_model_with_attention_variants_samples_greedily_like_its_full_forward(tmp_path, capsys):
+    """GQA, local/global windows and softcap: sdpa (the run's) cannot softcap, so sampling falls back to naive."""
+    cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=2, window=3, window_pattern="LG", attn_softcap=10.0)
+    path = write_run(tmp_path, cfg)
+    model = TransformerLM(dataclasses.replace(cfg, attn="naive"))
+    model.load_state_dict(torch.load(path)["model"])
+    ids = list(b"xyz")
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(model(torch.tensor([ids]))[0, -1].argmax().item())
+    code, out, err = run(capsys, "--ckpt", str(path), "--prompt", "xyz", "--temperature", "0", "--max-new-tokens",
+                         "6")
+    assert code == 0 and out.rstrip("\n") == bytes(ids).decode("utf-8", errors="replace")
+    assert "sampling with 'naive'" in err
+    code, _, err = run(capsys, "--ckpt", str(path), "--attn", "sdpa", "--max-new-tokens", "1")
+    assert code == 1 and "does not run logit soft-capping" in err

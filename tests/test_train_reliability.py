@@ -67,6 +67,7 @@ class Forked:
 
     def __init__(self, args: list[str], log: Path, patch: Optional[Callable[[Callable[[bytes], None]], None]] = None):
         self.log = log
+        log.write_bytes(b"")  # here, not in the child: a kill before the child runs leaves an empty log, not none
         read, write = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the child: never returns into pytest

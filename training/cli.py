@@ -26,6 +26,17 @@ def add_model_shape_flags(group: argparse._ArgumentGroup, what: str) -> None:
     group.add_argument("--d-ff", type=int, help=f"{what} SwiGLU hidden size")
 
 
+def add_attention_variant_flags(group: argparse._ArgumentGroup) -> None:
+    """--n-kv-heads --window --window-pattern --attn-softcap (attention/registry.py's variants)."""
+    group.add_argument("--n-kv-heads", type=int,
+                       help="key/value heads: grouped-query attention (default: as many as --n-heads)")
+    group.add_argument("--window", type=int, help="sliding-window attention of this many keys in local layers")
+    group.add_argument("--window-pattern", default="L",
+                       help="local (L) and global (G) layers, repeated over the blocks, e.g. LLLG: three layers "
+                            "with --window, then one with full attention (default L: every layer)")
+    group.add_argument("--attn-softcap", type=float, help="cap attention scores at c * tanh(s / c) (Gemma 2: 50)")
+
+
 def add_weight_grads_flag(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--weight-grads", choices=["fp32", "autocast"], default="fp32",
                        help="under bf16/fp16 autocast, Linear weight gradients written in fp32 by their matmul "

@@ -40,15 +40,29 @@ def peak_flops(device: torch.device | str) -> Optional[float]:
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
-    """Parameters other than the token embedding, from the config alone."""
-    per_layer = 4 * cfg.d_model * cfg.d_model + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
+    """Parameters other than the token embedding, from the config alone (GQA: k and v project to kv heads)."""
+    attention = 2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * cfg.kv_heads * cfg.d_head  # q and out; k and v
+    per_layer = attention + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
     return cfg.n_layers * per_layer + cfg.d_model + cfg.d_model * cfg.vocab_size
 
 
+def attention_context(t: int, window: Optional[int]) -> float:
+    """The context a layer's attention FLOPs count: t for a global layer (the usual 12 x d_model x t per token,
+    which counts causal attention as full), and for a causal window w < t the same scaled to the scores it computes:
+    a query sees w - w(w - 1) / 2t keys on average, against (t + 1) / 2 globally."""
+    if window is None or window >= t:
+        return float(t)
+    return t * (window - window * (window - 1) / (2 * t)) / ((t + 1) / 2)
+
+
 def flops_per_token(cfg: ModelConfig, context_length: Optional[int] = None) -> float:
-    """Training FLOPs per token: 6 x non-embedding params + 12 x layers x d_model x context."""
+    """Training FLOPs per token: 6 x non-embedding params + 12 x d_model x (each layer's attention context).
+
+    Windows count only the scores they compute (attention_context); packed documents are counted as one sequence
+    (their extent depends on the data)."""
     t = context_length or cfg.context_length
-    return 6 * non_embedding_params(cfg) + 12 * cfg.n_layers * cfg.d_model * t
+    contexts = sum(attention_context(t, cfg.layer_window(i)) for i in range(cfg.n_layers))
+    return 6 * non_embedding_params(cfg) + 12 * cfg.d_model * contexts
 
 
 def mfu(cfg: ModelConfig, tokens_per_s: float, device: torch.device | str, context_length: Optional[int] = None,

@@ -110,10 +110,14 @@ class TrainingStep:
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.config.precision)
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor, model: Optional[Callable] = None) -> torch.Tensor:
-        """Mean next-token cross-entropy, in fp32, computed inside the model: in its compiled code under compile."""
+    def loss(self, x: torch.Tensor, y: torch.Tensor, model: Optional[Callable] = None,
+             doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy, in fp32, computed inside the model: in its compiled code under compile.
+        doc_ids: packed documents' ids (training/packing.py), for the model's document mask."""
         with self.autocast():
-            return (model or self.step_model)(x, y)
+            if doc_ids is None:
+                return (model or self.step_model)(x, y)
+            return (model or self.step_model)(x, y, doc_ids=doc_ids)
 
     def backward(self, loss: torch.Tensor) -> None:
         """The backward (of the scaled loss under fp16); with the overlapped optimizer AdamW steps inside it."""
@@ -134,20 +138,24 @@ class TrainingStep:
         self.scaler.update()
         return grad_norm
 
-    def eager_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def eager_step(self, x: torch.Tensor, y: torch.Tensor,
+                   doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         """Forward, backward and optimizer without synchronising or clearing gradients: what a CUDA graph captures.
         Returns (loss,) or (loss, grad norm)."""
-        loss = self.loss(x, y)
+        loss = self.loss(x, y) if doc_ids is None else self.loss(x, y, None, doc_ids)
         self.backward(loss)
         grad_norm = self.optimizer_step()
         return (loss.detach(),) if grad_norm is None else (loss.detach(), grad_norm)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One whole step, replayed as a CUDA graph when so built; (loss, grad norm or None), gradients cleared."""
+    def __call__(self, x: torch.Tensor, y: torch.Tensor,
+                 doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One whole step, replayed as a CUDA graph when so built; (loss, grad norm or None), gradients cleared.
+        doc_ids: packed documents' ids, as in `loss`."""
+        inputs = (x, y) if doc_ids is None else (x, y, doc_ids)
         if self.graphed is not None:
-            out = self.graphed(x, y)  # sets the gradients to None itself before each eager step
+            out = self.graphed(*inputs)  # sets the gradients to None itself before each eager step
         else:
-            out = self.eager_step(x, y)
+            out = self.eager_step(*inputs)
             self.optimizer.zero_grad(set_to_none=True)
         return out[0], (out[1] if len(out) > 1 else None)
 

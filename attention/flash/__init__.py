@@ -4,6 +4,7 @@ Two sets of kernels compute it: Triton kernels that run every input (triton.py, 
 kernels for Hopper GPUs that run the inputs they support faster (hopper.py, hopper_kernels.py). `choose_kernels`
 decides between them, for the forward and the backward, and says why; the launches ask it, so what it says is what
 runs. `use_kernels("triton")` forces the Triton kernels. `flash-torch` (reference.py) is the readable specification.
+The variants (GQA, windows, documents, softcap; attention/registry.py) run on the Triton kernels.
 
     from attention.flash import FlashAttentionTriton, FlashAttentionTorch, choose_kernels, use_kernels
 """
@@ -20,8 +21,8 @@ import torch
 from attention.flash import hopper, triton
 from attention.flash.common import as_bhsd, attention_function, default_scale, empty_like
 from attention.flash.triton import Tiles
-from attention.registry import (UnsupportedInputError, graph_replay_requested, launches_replayed, register,
-                                validate_qkv)
+from attention.registry import (VARIANTS, UnsupportedInputError, graph_replay_requested, kv_groups,
+                                launches_replayed, register, validate_qkv, validate_variant)
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
@@ -72,19 +73,29 @@ def kernels_in_use() -> str:
     return _kernels
 
 
+PLAIN_ONLY = ("the Hopper kernels run plain causal/full attention; windows, documents, softcap and GQA run on the "
+              "Triton kernels")
+
+
 def _forward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, replayed: bool,
-                     kernels: str, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
-    """None when the Hopper forward runs these (batch, heads, seq, d) inputs, else why the Triton one does."""
+                     kernels: str, capability: Optional[tuple[int, int]] = None, plain: bool = True) -> Optional[str]:
+    """None when the Hopper forward runs these (batch, heads, seq, d) inputs, else why the Triton one does.
+    plain: no window, softcap or documents (GQA shows in the shapes)."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
+    if not plain or q4.shape[1] != k4.shape[1]:
+        return PLAIN_ONLY
     return hopper.forward_problem(q4, k4, v4, causal, replayed, capability)
 
 
 def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, causal: bool,
-                      replayed: bool, kernels: str, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+                      replayed: bool, kernels: str, capability: Optional[tuple[int, int]] = None,
+                      plain: bool = True) -> Optional[str]:
     """None when the Hopper backward runs these inputs, else why the Triton one does."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
+    if not plain or q4.shape[1] != k4.shape[1]:
+        return PLAIN_ONLY
     return hopper.backward_problem(q4, k4, v4, do4, causal, replayed, capability)
 
 
@@ -106,21 +117,24 @@ def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bo
 
 def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, *,
                    do: Optional[torch.Tensor] = None, replayed: Optional[bool] = None, kernels: Optional[str] = None,
-                   capability: Optional[tuple[int, int]] = None) -> KernelChoice:
+                   capability: Optional[tuple[int, int]] = None, window: Optional[int] = None,
+                   softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None) -> KernelChoice:
     """The kernels flash runs for these inputs (shaped (..., seq, d_head)), forward and backward, with the reasons.
 
     do: the backward's upstream gradient (default: one like q, which is what autograd passes for o). replayed:
     whether the launches will be replayed from a CUDA graph (default: inside attention.graph_replay() or a capture).
     kernels: "auto" or "triton" (default: the use_kernels() setting). capability: decide for a GPU of this
-    (major, minor), e.g. (9, 0), instead of q's device. Raises UnsupportedInputError when flash cannot run the input.
+    (major, minor), e.g. (9, 0), instead of q's device. window, softcap, doc_ids: the variants of the call (the Hopper
+    kernels run none of them). Raises UnsupportedInputError when flash cannot run the input.
     """
-    _check(q, k, v, causal, None)
+    _check(q, k, v, causal, None, window, softcap, doc_ids)
+    plain = window is None and softcap is None and doc_ids is None
     q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     do4 = q4 if do is None else as_bhsd(do)
     replayed = launches_replayed() if replayed is None else replayed
     kernels = kernels_in_use() if kernels is None else kernels
-    forward = _forward_problem(q4, k4, v4, causal, replayed, kernels, capability)
-    backward = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability)
+    forward = _forward_problem(q4, k4, v4, causal, replayed, kernels, capability, plain)
+    backward = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability, plain)
     return KernelChoice("triton" if forward else "hopper", "triton" if backward else "hopper",
                         _reason(forward, "forward", q4, causal, replayed),
                         _reason(backward, "backward", q4, causal, replayed))
@@ -133,12 +147,16 @@ def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   tiles: Optional[Tiles] = None, traceable: bool = False, replayed: Optional[bool] = None,
-                  kernels: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kernels: Optional[str] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+                  doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for validated inputs: o like q, lse fp32 of shape q.shape[:-1], by the kernels choose_kernels picks.
 
     tiles: run the Triton forward with this config. traceable: inside a triton_op (the Triton launches go through
     torch.library.wrap_triton, the Hopper one through its own operator). replayed, kernels: as in choose_kernels.
+    window, softcap, doc_ids: the variants (attention/registry.py), on the Triton kernels.
     """
+    if window is not None or softcap is not None or doc_ids is not None or kv_groups(q, k) > 1:
+        return triton.forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
     if tiles is None:
         q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
         replayed = launches_replayed() if replayed is None else replayed
@@ -151,10 +169,13 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                    do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
-                   traceable: bool = False, replayed: Optional[bool] = None,
-                   kernels: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   traceable: bool = False, replayed: Optional[bool] = None, kernels: Optional[str] = None,
+                   window: Optional[int] = None, softcap: Optional[float] = None,
+                   doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}): run the Triton
     backward with these configs; the rest as in flash_forward."""
+    if window is not None or softcap is not None or doc_ids is not None or kv_groups(q, k) > 1:
+        return triton.backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, doc_ids)
     if not tiles:
         q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
         replayed = launches_replayed() if replayed is None else replayed
@@ -195,9 +216,12 @@ def _input_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return None
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float]) -> float:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
+           window: Optional[int] = None, softcap: Optional[float] = None,
+           doc_ids: Optional[torch.Tensor] = None) -> float:
     """Raise UnsupportedInputError before any launch; return the resolved scale."""
-    validate_qkv(q, k, v, causal)
+    validate_qkv(q, k, v, causal, allow_gqa=True)
+    validate_variant(q, k, causal, window, softcap, doc_ids)
     reason = _environment_problem() or _input_problem(q, k, v, causal)
     if reason is not None:
         raise UnsupportedInputError(f"attention backend 'flash' cannot run this input: {reason}")
@@ -208,9 +232,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 
 
 FlashAttentionTriton = attention_function(
-    "FlashAttentionTriton", "`FlashAttentionTriton.apply(q, k, v, is_causal=False, scale=None)` on (..., seq, d_head).",
-    _check, lambda q, k, v, causal, scale: flash_forward(q, k, v, causal, scale),
-    lambda q, k, v, o, lse, do, causal, scale: flash_backward(q, k, v, o, lse, do, causal, scale))
+    "FlashAttentionTriton",
+    "`FlashAttentionTriton.apply(q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None)` on "
+    "(..., seq, d_head).",
+    _check, lambda q, k, v, causal, scale, **variant: flash_forward(q, k, v, causal, scale, **variant),
+    lambda q, k, v, o, lse, do, causal, scale, **variant: flash_backward(q, k, v, o, lse, do, causal, scale,
+                                                                         **variant))
 
 
 @register(
@@ -218,15 +245,21 @@ FlashAttentionTriton = attention_function(
     description="FlashAttention-2 in Triton (fused forward and backward, O(seq) memory)",
     environment_check=_environment_problem,
     input_check=_input_problem,
+    variants=tuple(VARIANTS),
 )
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    window: Optional[int] = None, softcap: Optional[float] = None,
+                    doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     if torch.compiler.is_compiling():  # the check runs while tracing, not on every call of the compiled code
         op = flash_opaque_op if triton.interpreting() else flash_op
         # Read while tracing, so the compiled code guards on them; a capture in progress cannot be asked here.
-        return op(q, k, v, causal, _check(q, k, v, causal, scale), graph_replay_requested(), kernels_in_use())[0]
+        return op(q, k, v, causal, _check(q, k, v, causal, scale, window, softcap, doc_ids),
+                  graph_replay_requested(), kernels_in_use(), window, softcap, doc_ids)[0]
     # Eager: the autograd.Function (it checks the inputs itself), whose host time per forward+backward measured
     # 0.78 ms against the custom op's 1.18 ms on the H100 at B4 H20 N1024; short sequences are bound by host time.
-    return FlashAttentionTriton.apply(q, k, v, causal, scale)
+    if window is None and softcap is None and doc_ids is None:
+        return FlashAttentionTriton.apply(q, k, v, causal, scale)
+    return FlashAttentionTriton.apply(q, k, v, causal, scale, window, softcap, doc_ids)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,34 +282,40 @@ def _operator_pair(suffix: str, traceable: bool):
 
     @define(f"flash_lm::flash_attn_fwd{suffix}", mutates_args=())
     def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, replayed: bool,
-                   kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   kernels: str, window: Optional[int] = None, softcap: Optional[float] = None,
+                   doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of validated inputs: o like q (its memory order up to 4 dims), lse fp32 shaped q.shape[:-1]."""
-        return flash_forward(q, k, v, causal, scale, traceable=traceable, replayed=replayed, kernels=kernels)
+        return flash_forward(q, k, v, causal, scale, traceable=traceable, replayed=replayed, kernels=kernels,
+                             window=window, softcap=softcap, doc_ids=doc_ids)
 
     @define(f"flash_lm::flash_attn_bwd{suffix}", mutates_args=())
     def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                    do: torch.Tensor, causal: bool, scale: float, replayed: bool,
-                    kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    do: torch.Tensor, causal: bool, scale: float, replayed: bool, kernels: str,
+                    window: Optional[int] = None, softcap: Optional[float] = None,
+                    doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv), each shaped like its input (and in its memory order up to 4 dims)."""
         return flash_backward(q, k, v, o, lse, do, causal, scale, traceable=traceable, replayed=replayed,
-                              kernels=kernels)
+                              kernels=kernels, window=window, softcap=softcap, doc_ids=doc_ids)
 
     if not traceable:  # a triton_op's output shapes come from tracing its body; a custom_op's from these
-        forward_op.register_fake(lambda q, k, v, causal, scale, replayed, kernels:
-                                 (empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)))
-        backward_op.register_fake(lambda q, k, v, o, lse, do, causal, scale, replayed, kernels:
-                                  (empty_like(q), empty_like(k), empty_like(v)))
+        forward_op.register_fake(lambda q, k, v, causal, scale, replayed, kernels, window=None, softcap=None,
+                                 doc_ids=None: (empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)))
+        backward_op.register_fake(lambda q, k, v, o, lse, do, causal, scale, replayed, kernels, window=None,
+                                  softcap=None, doc_ids=None: (empty_like(q), empty_like(k), empty_like(v)))
 
     def setup_context(ctx, inputs, output) -> None:
-        q, k, v, causal, scale, replayed, kernels = inputs
+        q, k, v, causal, scale, replayed, kernels, window, softcap, doc_ids = inputs
         o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse)  # as FlashAttentionTriton: O(seq) memory, lse the only (..., seq)
+        # As FlashAttentionTriton: O(seq) memory, lse the only (..., seq); doc_ids (batch, seq) integers if given.
+        ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
         ctx.causal, ctx.scale, ctx.replayed, ctx.kernels = causal, scale, replayed, kernels
+        ctx.window, ctx.softcap = window, softcap
 
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.replayed, ctx.kernels)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, o, lse, *doc_ids = ctx.saved_tensors
+        dq, dk, dv = backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.replayed, ctx.kernels, ctx.window,
+                                 ctx.softcap, doc_ids[0] if doc_ids else None)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
     forward_op.register_autograd(backward, setup_context=setup_context)
     return forward_op, backward_op

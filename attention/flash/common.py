@@ -8,9 +8,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-# (q, k, v, causal, scale) -> the resolved scale, raising UnsupportedInputError for inputs that cannot run.
-Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, Optional[float]], float]
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+# (q, k, v, causal, scale, window, softcap, doc_ids) -> the resolved scale, raising UnsupportedInputError for inputs
+# that cannot run.
+Check = Callable[..., float]
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 _nan_filled = False
@@ -70,24 +71,28 @@ def default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
 
 def attention_function(name: str, doc: str, check: Check, forward: Forward,
                        backward: Backward) -> type[torch.autograd.Function]:
-    """An autograd.Function `name.apply(q, k, v, is_causal=False, scale=None)` on (..., seq, d_head).
+    """An autograd.Function `name.apply(q, k, v, is_causal=False, scale=None, window=None, softcap=None,
+    doc_ids=None)` on (..., seq, d_head).
 
     It saves q, k, v, o and the logsumexp L; L is the only saved tensor shaped q.shape[:-1] (the CS336 harness finds
-    it that way). backward(q, k, v, o, L, dO, causal, scale) -> (dq, dk, dv).
+    it that way). check(q, k, v, causal, scale, window, softcap, doc_ids) -> the resolved scale; forward(q, k, v,
+    causal, scale, window=, softcap=, doc_ids=) -> (o, L); backward(q, k, v, o, L, dO, causal, scale, window=,
+    softcap=, doc_ids=) -> (dq, dk, dv). The variants go to forward and backward only when used.
     """
 
-    def forward_(ctx, q, k, v, is_causal=False, scale=None):
+    def forward_(ctx, q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None):
         causal = bool(is_causal)
-        scale = check(q, k, v, causal, scale)
-        o, lse = forward(q, k, v, causal, scale)
+        scale = check(q, k, v, causal, scale, window, softcap, doc_ids)
+        variant = {n: x for n, x in (("window", window), ("softcap", softcap), ("doc_ids", doc_ids)) if x is not None}
+        o, lse = forward(q, k, v, causal, scale, **variant)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.variant = causal, scale, variant
         return o
 
     def backward_(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **ctx.variant)
+        return dq, dk, dv, None, None, None, None, None
 
     return type(name, (torch.autograd.Function,),
                 {"__doc__": doc, "forward": staticmethod(forward_), "backward": staticmethod(backward_)})

@@ -9,8 +9,10 @@ normalised, and the log-sum-exp of its scores), and the chunks are combined:
     o = sum_c exp(lse_c - lse) o_c,      lse = log sum_c exp(lse_c)
 
 Chunks are sized from each row's own visible length (rounded up to whole key tiles), so a short row in a batch of
-long ones does no wasted reads; a chunk that starts past its row's end is empty and weighs nothing. The inputs and
-the meaning of cache_len are those of attention/decode.py.
+long ones does no wasted reads; a chunk that starts past its row's end is empty and weighs nothing. With a window the
+chunks cover only the row's last `window` keys. The inputs, the meaning of cache_len and the variants (GQA, window,
+softcap) are those of attention/decode.py; the Triton kernel reads each cache head in place for its group of query
+heads.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from attention.decode import CacheLen, lengths, visible
+from attention.decode import CacheLen, capped, lengths, repeat_kv, visible
 from attention.flash.common import as_bhsd, on_device_of
 from attention.registry import register_decode
 
@@ -56,23 +58,28 @@ def default_num_splits(rows: int, max_len: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, math.ceil(4 * sms / rows), max_len // MIN_CHUNK))
 
 
-def chunk_bounds(cache_len: CacheLen, q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_bounds(cache_len: CacheLen, q: torch.Tensor, num_splits: int,
+                 window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi): the key range [lo, hi) of every (row, chunk), shaped (..., n_new, num_splits)."""
     n_new = q.shape[-2]
     n_visible = lengths(cache_len, q)[..., None] - n_new + 1 + torch.arange(n_new, device=q.device)
-    chunk = (n_visible + num_splits - 1) // num_splits
+    first = (n_visible - window).clamp(min=0) if window is not None else torch.zeros_like(n_visible)
+    chunk = (n_visible - first + num_splits - 1) // num_splits
     chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = chunk[..., None] * torch.arange(num_splits, device=q.device)
+    lo = first[..., None] + chunk[..., None] * torch.arange(num_splits, device=q.device)
     return lo, torch.minimum(lo + chunk[..., None], n_visible[..., None])
 
 
 def decode_split_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
-                       scale: float, num_splits: int = 4) -> torch.Tensor:
+                       scale: float, num_splits: int = 4, window: Optional[int] = None,
+                       softcap: Optional[float] = None) -> torch.Tensor:
     """Split-KV decode attention in plain PyTorch, chunk by chunk: what the Triton kernels compute."""
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     max_len = k_cache.shape[-2]
+    k_cache, v_cache = repeat_kv(k_cache, q), repeat_kv(v_cache, q)
     scores = torch.matmul(q.to(acc_dtype), k_cache.to(acc_dtype).transpose(-2, -1)) * scale  # (..., n_new, max_len)
-    lo, hi = chunk_bounds(cache_len, q, num_splits)
+    scores = capped(scores, softcap)
+    lo, hi = chunk_bounds(cache_len, q, num_splits, window)
     pos = torch.arange(max_len, device=q.device)
     partial_o, partial_lse = [], []
     for c in range(num_splits):
@@ -88,10 +95,11 @@ def decode_split_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def decode_reference_f64(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
-                         scale: float) -> torch.Tensor:
+                         scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Masked softmax in float64: the ground truth the tests hold both versions to."""
-    scores = torch.matmul(q.double(), k_cache.double().transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~visible(cache_len, q, k_cache.shape[-2]), float("-inf"))
+    k_cache, v_cache = repeat_kv(k_cache, q), repeat_kv(v_cache, q)
+    scores = capped(torch.matmul(q.double(), k_cache.double().transpose(-2, -1)) * scale, softcap)
+    scores = scores.masked_fill(~visible(cache_len, q, k_cache.shape[-2], window), float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v_cache.double())
 
 
@@ -103,7 +111,8 @@ def _kernels():
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
-                  scale: float, num_splits: Optional[int] = None) -> torch.Tensor:
+                  scale: float, num_splits: Optional[int] = None, window: Optional[int] = None,
+                  softcap: Optional[float] = None) -> torch.Tensor:
     """Split-KV decode attention with the Triton kernels; on the GPU, or on the CPU under TRITON_INTERPRET=1."""
     q4, k4, v4 = as_bhsd(q), as_bhsd(k_cache), as_bhsd(v_cache)
     batch, heads, n_new, d = q4.shape
@@ -121,12 +130,17 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # On an H100 (batch 1, 32 heads, cache 32k, d 128, bf16) 128-key tiles, 4 warps and 3 stages read the cache at
     # 91% of the copy bandwidth; 8 warps or 2-4 stages were within 2%. The interpreter takes no launch options.
     options = {} if _interpreting() else {"num_warps": 4, "num_stages": 3}
+    # Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the plain scale is not applied.
+    log2e = math.log2(math.e)
+    qk_scale, cap_scale, cap_log2e = (scale * log2e, 0.0, 0.0) if softcap is None else (
+        1.0, scale / softcap, softcap * log2e)
     with on_device_of(q):
         kernels.decode_partial_kernel[(rows, num_splits)](
             q4, k4, v4, lens, partial_o, partial_lse,
             *q4.stride(), *k4.stride(), *v4.stride(),
-            heads, n_new, d, scale * math.log2(math.e),
-            NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, **options)
+            heads, n_new, d, qk_scale, heads // k4.shape[1], window or 0, cap_scale, cap_log2e,
+            NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
+            WINDOW=window is not None, SOFTCAP=softcap is not None, **options)
         kernels.decode_combine_kernel[(rows,)](
             partial_o, partial_lse, o, *o.stride(), heads, n_new, d,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
@@ -148,5 +162,5 @@ def decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return None
 
 
-register_decode("flash", input_check=decode_problem)(decode_triton)
-register_decode("flash-torch")(decode_split_torch)
+register_decode("flash", input_check=decode_problem, variants=("gqa", "window", "softcap"))(decode_triton)
+register_decode("flash-torch", variants=("gqa", "window", "softcap"))(decode_split_torch)

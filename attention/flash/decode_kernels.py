@@ -19,9 +19,12 @@ def decode_partial_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    n_heads, n_new, head_dim, qk_scale,
+    n_heads, n_new, head_dim, qk_scale, group, window, cap_scale, cap_log2e,
     NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
+    """group: query heads per cache head (GQA); window: keys within it of the query (WINDOW); softcap: the base-2
+    scores become cap_log2e * tanh(cap_scale * q.k) (SOFTCAP)."""
     row = tl.program_id(0)  # (sequence, head, new token) flattened
     split = tl.program_id(1)
     bh = row // n_new
@@ -30,9 +33,12 @@ def decode_partial_kernel(
     h = (bh % n_heads).to(tl.int64)
     # Keys 0..visible-1: everything before the new tokens, and the new ones up to this query.
     visible = tl.load(LENS + bh).to(tl.int32) - n_new + j + 1
+    first = visible * 0
+    if WINDOW:  # only the last `window` of them
+        first = tl.maximum(visible - window, 0)
     # Chunks are whole key tiles, so only the visible length's last tile is partial.
-    chunk = tl.cdiv(tl.cdiv(visible, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    chunk = tl.cdiv(tl.cdiv(visible - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, visible)
 
     # The query padded to 16 rows (row 0 is real): both products are then tensor-core dots, whose loads Triton
@@ -43,8 +49,8 @@ def decode_partial_kernel(
     mask_d = offs_d < head_dim
     q = tl.load(Q + b * stride_qb + h * stride_qh + j * stride_qm + offs_m[:, None] * 0 + offs_d[None, :] * stride_qd,
                 mask=(offs_m[:, None] == 0) & mask_d[None, :], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    k_base = K + b * stride_kb + (h // group) * stride_kh  # GQA: a group of query heads reads one cache head
+    v_base = V + b * stride_vb + (h // group) * stride_vh
     m = tl.full([16], -float("inf"), dtype=tl.float32)  # running max of the scores
     l = tl.zeros([16], dtype=tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)  # running sum of exp2(score - m) * v
@@ -58,7 +64,10 @@ def decode_partial_kernel(
         else:
             s = tl.dot(q, k)
         # fp32 even where a compiler passes the scale as an fp64 scalar (Inductor does).
-        s = tl.where(mask_n[None, :], (s * qk_scale).to(tl.float32), -float("inf"))
+        s = (s * qk_scale).to(tl.float32)
+        if SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1), exact at both ends
+            s = cap_log2e * (1.0 - 2.0 / (tl.exp2(s * cap_scale * 2.8853900817779268) + 1.0))
+        s = tl.where(mask_n[None, :], s, -float("inf"))
         # Every tile starts below hi, so it has a visible key and m_new is finite.
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -98,7 +107,7 @@ def decode_combine_kernel(
     mask_s = offs_s < NUM_SPLITS
     mask_d = offs_d < head_dim
     lse = tl.load(LSE_PART + row * NUM_SPLITS + offs_s, mask=mask_s, other=-float("inf"))
-    # The first chunk always holds key 0, so the row's max is finite.
+    # The first chunk always holds a visible key (key 0, or the window's first), so the row's max is finite.
     w = tl.exp2(lse - tl.max(lse, axis=0))  # (BLOCK_S,), 0 for empty chunks
     parts = tl.load(O_PART + (row * NUM_SPLITS + offs_s[:, None]) * head_dim + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)

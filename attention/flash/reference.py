@@ -17,6 +17,9 @@ Backward, recomputing P from L instead of storing it:
     dS_ij = P_ij * (dP_ij - delta_i)   with delta = rowsum(dO * O)  (== rowsum(P * dP), cheaper)
     dQ_i += scale * dS_ij K_j;  dK_j += scale * dS_ij^T Q_i
 Causal: key tiles entirely right of the diagonal are skipped; only tiles touching it are masked.
+Variants (attention/registry.py): a window or documents narrow the key tiles a query tile visits in the same way
+(_key_range, _query_range); softcap replaces S by c * tanh(S / c) and multiplies dS by its derivative 1 - tanh^2;
+GQA views q as (batch, h_kv, group, seq, d) against k, v as (batch, h_kv, 1, seq, d) and sums dK, dV over the group.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from typing import Optional
 
 import torch
 
-from attention.flash.common import attention_function, default_scale, empty
-from attention.registry import register, validate_qkv
+from attention.flash.common import as_bhsd, attention_function, default_scale, empty
+from attention.masks import doc_bounds
+from attention.registry import VARIANTS, kv_groups, register, validate_qkv, validate_variant
 
 Q_TILE = 64  # query rows per tile
 K_TILE = 64  # key rows per tile
+
+Bounds = Optional[tuple[torch.Tensor, torch.Tensor]]  # (start, end) of each position's document, (batch, seq)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,51 +43,109 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _causal_mask(q0: int, q1: int, k0: int, k1: int, device: torch.device) -> Optional[torch.Tensor]:
-    """True where key > query inside the tile (q0:q1, k0:k1), or None when the tile is wholly visible."""
-    if k1 - 1 <= q0:  # the tile's last key is at or before its first query
-        return None
+def _tile_mask(q0: int, q1: int, k0: int, k1: int, causal: bool, window: Optional[int], docs: Bounds,
+               device: torch.device) -> Optional[torch.Tensor]:
+    """True where query i sees key j in the tile (q0:q1, k0:k1): (tq, tk), or (batch, 1, 1, tq, tk) with documents.
+    None when every query of the tile sees every key of it."""
     rows = torch.arange(q0, q1, device=device)[:, None]
     cols = torch.arange(k0, k1, device=device)[None, :]
-    return cols > rows
+    mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+    if causal:
+        mask &= cols <= rows
+    if window is not None:
+        mask &= (rows - cols < window) if causal else ((rows - cols).abs() < window)
+    if docs is not None:
+        start = docs[0]
+        mask = mask & (start[:, q0:q1, None] == start[:, None, k0:k1])[:, None, None]
+    return None if bool(mask.all()) else mask
+
+
+def _key_range(q0: int, q1: int, n_k: int, causal: bool, window: Optional[int], docs: Bounds) -> tuple[int, int]:
+    """[lo, hi): the keys some query of rows q0:q1 sees; the tiles outside are skipped."""
+    lo, hi = 0, min(q1, n_k) if causal else n_k
+    if window is not None:
+        lo = max(lo, q0 - window + 1)
+        if not causal:
+            hi = min(hi, q1 - 1 + window)
+    if docs is not None:  # documents are runs of positions: rows q0:q1 see keys from q0's run to (q1 - 1)'s
+        lo = max(lo, int(docs[0][:, q0].min()))
+        hi = min(hi, int(docs[1][:, q1 - 1].max()))
+    return lo, hi
+
+
+def _query_range(k0: int, k1: int, n_q: int, causal: bool, window: Optional[int], docs: Bounds) -> tuple[int, int]:
+    """[lo, hi): the queries that see some key of k0:k1."""
+    lo, hi = (k0 if causal else 0), n_q
+    if window is not None:
+        hi = min(hi, k1 - 1 + window)
+        if not causal:
+            lo = max(lo, k0 - window + 1)
+    if docs is not None:
+        lo = max(lo, int(docs[0][:, k0].min()))
+        hi = min(hi, int(docs[1][:, k1 - 1].max()))
+    return lo, hi
+
+
+def _views(q: torch.Tensor, k: torch.Tensor, doc_ids: Optional[torch.Tensor]):
+    """q as (batch, h_kv, group, seq, d), a function doing the same to k-shaped tensors ((batch, h_kv, 1, seq, d)),
+    and the document bounds."""
+    groups = kv_groups(q, k)
+    q5 = as_bhsd(q).unflatten(1, (-1, groups))
+    docs = None if doc_ids is None else doc_bounds(doc_ids, tuple(q.shape[:-3]), q.shape[-2])
+    return q5, (lambda t: as_bhsd(t)[:, :, None]), docs
+
+
+def _scores(q_i: torch.Tensor, k_j: torch.Tensor, scale: float, softcap: Optional[float]):
+    """(S, tanh) of one tile: S = scale q k^T, soft-capped to c * tanh(S / c) (and tanh kept for the backward)."""
+    s = q_i @ k_j.transpose(-2, -1) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return softcap * t, t
 
 
 def flash_forward_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
+    softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o like q, lse (..., seq_q) in the accumulator dtype (natural log)."""
     n_q, n_k = q.shape[-2], k.shape[-2]
     acc_dtype = _acc_dtype(q.dtype)
-    o = empty(q.shape, q.dtype, q.device)
-    lse = empty(q.shape[:-1], acc_dtype, q.device)
+    q5, kv_view, docs = _views(q, k, doc_ids)
+    k5, v5 = kv_view(k), kv_view(v)
+    o5 = empty(q5.shape, q.dtype, q.device)
+    lse5 = empty(q5.shape[:-1], acc_dtype, q.device)
     for q0 in range(0, n_q, Q_TILE):
         q1 = min(q0 + Q_TILE, n_q)
-        q_i = q[..., q0:q1, :].to(acc_dtype)  # (..., tq, d)
+        q_i = q5[..., q0:q1, :].to(acc_dtype)  # (b, h_kv, group, tq, d)
         m = torch.full(q_i.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)  # (..., tq)
         l = torch.zeros_like(m)
         acc = torch.zeros_like(q_i)  # (..., tq, d)
-        # Causal: query q1 - 1 is the last row of the tile; keys after it are never visible.
-        k_end = min(q1, n_k) if causal else n_k
-        for k0 in range(0, k_end, K_TILE):
-            k1 = min(k0 + K_TILE, k_end)
-            s = q_i @ k[..., k0:k1, :].to(acc_dtype).transpose(-2, -1) * scale  # (..., tq, tk)
-            if causal and (mask := _causal_mask(q0, q1, k0, k1, q.device)) is not None:
-                s = s.masked_fill(mask, float("-inf"))
-            # Every row saw key 0 in its first tile, so m_new is finite and exp(m - m_new) is well defined.
+        lo, hi = _key_range(q0, q1, n_k, causal, window, docs)
+        for k0 in range((lo // K_TILE) * K_TILE, hi, K_TILE):
+            k1 = min(k0 + K_TILE, hi)
+            s, _ = _scores(q_i, k5[..., k0:k1, :].to(acc_dtype), scale, softcap)  # (..., tq, tk)
+            if (mask := _tile_mask(q0, q1, k0, k1, causal, window, docs, q.device)) is not None:
+                s = s.masked_fill(~mask, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
-            p = torch.exp(s - m_new[..., None])
-            alpha = torch.exp(m - m_new)
+            # A row that has seen no key yet (a window or document starting inside this tile) keeps m = -inf: shift
+            # by 0 there, so its exp() are 0 instead of NaN. Every row sees some key by the end (the registry's
+            # checks), so l > 0 below.
+            shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            p = torch.exp(s - shift[..., None])
+            alpha = torch.exp(m - shift)
             l = l * alpha + p.sum(dim=-1)
-            acc = acc * alpha[..., None] + p @ v[..., k0:k1, :].to(acc_dtype)
+            acc = acc * alpha[..., None] + p @ v5[..., k0:k1, :].to(acc_dtype)
             m = m_new
-        o[..., q0:q1, :] = (acc / l[..., None]).to(q.dtype)
-        lse[..., q0:q1] = m + torch.log(l)
-    return o, lse
+        o5[..., q0:q1, :] = (acc / l[..., None]).to(q.dtype)
+        lse5[..., q0:q1] = m + torch.log(l)
+    return o5.reshape(q.shape), lse5.reshape(q.shape[:-1])
 
 
 def flash_backward_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    causal: bool, scale: float,
+    causal: bool, scale: float, window: Optional[int] = None, softcap: Optional[float] = None,
+    doc_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by recomputing P from lse, one key tile (outer) and query tile (inner) at a time.
 
@@ -90,48 +154,60 @@ def flash_backward_torch(
     """
     n_q, n_k = q.shape[-2], k.shape[-2]
     acc_dtype = _acc_dtype(q.dtype)
-    delta = (do.to(acc_dtype) * o.to(acc_dtype)).sum(dim=-1)  # (..., n_q)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = empty(k.shape, k.dtype, k.device)
-    dv = empty(v.shape, v.dtype, v.device)
+    q5, kv_view, docs = _views(q, k, doc_ids)
+    k5, v5 = kv_view(k), kv_view(v)
+    do5 = as_bhsd(do).reshape(q5.shape)
+    lse5 = lse.reshape(q5.shape[:-1])
+    delta = (do5.to(acc_dtype) * as_bhsd(o).reshape(q5.shape).to(acc_dtype)).sum(dim=-1)  # (..., n_q)
+    dq5 = torch.zeros(q5.shape, dtype=acc_dtype, device=q.device)
+    dk5 = empty(k5.shape, k.dtype, k.device)
+    dv5 = empty(v5.shape, v.dtype, v.device)
     for k0 in range(0, n_k, K_TILE):
         k1 = min(k0 + K_TILE, n_k)
-        k_j = k[..., k0:k1, :].to(acc_dtype)
-        v_j = v[..., k0:k1, :].to(acc_dtype)
+        k_j = k5[..., k0:k1, :].to(acc_dtype)
+        v_j = v5[..., k0:k1, :].to(acc_dtype)
         dk_j = torch.zeros_like(k_j)
         dv_j = torch.zeros_like(v_j)
-        # Causal: queries before k0 see none of these keys; start at the query tile holding row k0.
-        q_start = (k0 // Q_TILE) * Q_TILE if causal else 0
-        for q0 in range(q_start, n_q, Q_TILE):
+        lo, hi = _query_range(k0, k1, n_q, causal, window, docs)
+        for q0 in range((lo // Q_TILE) * Q_TILE, hi, Q_TILE):
             q1 = min(q0 + Q_TILE, n_q)
-            q_i = q[..., q0:q1, :].to(acc_dtype)
-            do_i = do[..., q0:q1, :].to(acc_dtype)
-            s = q_i @ k_j.transpose(-2, -1) * scale  # (..., tq, tk)
-            p = torch.exp(s - lse[..., q0:q1, None].to(acc_dtype))
-            if causal and (mask := _causal_mask(q0, q1, k0, k1, q.device)) is not None:
-                p = p.masked_fill(mask, 0.0)
-            dv_j += p.transpose(-2, -1) @ do_i
+            q_i = q5[..., q0:q1, :].to(acc_dtype)
+            do_i = do5[..., q0:q1, :].to(acc_dtype)
+            s, tanh = _scores(q_i, k_j, scale, softcap)  # (..., tq, tk)
+            p = torch.exp(s - lse5[..., q0:q1, None].to(acc_dtype))
+            if (mask := _tile_mask(q0, q1, k0, k1, causal, window, docs, q.device)) is not None:
+                p = p.masked_fill(~mask, 0.0)
+            dv_j += (p.transpose(-2, -1) @ do_i).sum(dim=2, keepdim=True)  # over the group's query heads
             dp = do_i @ v_j.transpose(-2, -1)
             ds = p * (dp - delta[..., q0:q1, None])
-            dq[..., q0:q1, :] += scale * (ds @ k_j)
-            dk_j += scale * (ds.transpose(-2, -1) @ q_i)
-        dk[..., k0:k1, :] = dk_j.to(k.dtype)
-        dv[..., k0:k1, :] = dv_j.to(v.dtype)
-    return dq.to(q.dtype), dk, dv
+            if tanh is not None:
+                ds = ds * (1 - tanh * tanh)  # d(c tanh(S / c)) / dS
+            dq5[..., q0:q1, :] += scale * (ds @ k_j)
+            dk_j += scale * (ds.transpose(-2, -1) @ q_i).sum(dim=2, keepdim=True)
+        dk5[..., k0:k1, :] = dk_j.to(k.dtype)
+        dv5[..., k0:k1, :] = dv_j.to(v.dtype)
+    return dq5.to(q.dtype).reshape(q.shape), dk5.reshape(k.shape), dv5.reshape(v.shape)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float]) -> float:
-    validate_qkv(q, k, v, causal)
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
+           window: Optional[int] = None, softcap: Optional[float] = None,
+           doc_ids: Optional[torch.Tensor] = None) -> float:
+    validate_qkv(q, k, v, causal, allow_gqa=True)
+    validate_variant(q, k, causal, window, softcap, doc_ids)
     return default_scale(q, scale)
 
 
 FlashAttentionTorch = attention_function(
-    "FlashAttentionTorch", "`FlashAttentionTorch.apply(q, k, v, is_causal=False, scale=None)` on (..., seq, d_head).",
+    "FlashAttentionTorch",
+    "`FlashAttentionTorch.apply(q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None)` on "
+    "(..., seq, d_head).",
     _check, flash_forward_torch, flash_backward_torch)
 
 
-@register("flash-torch", description="FlashAttention-2 tile by tile in PyTorch: the readable spec of `flash`; slow")
+@register("flash-torch", description="FlashAttention-2 tile by tile in PyTorch: the readable spec of `flash`; slow",
+          variants=tuple(VARIANTS))
 def flash_attention_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
+    softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return FlashAttentionTorch.apply(q, k, v, causal, scale)
+    return FlashAttentionTorch.apply(q, k, v, causal, scale, window, softcap, doc_ids)

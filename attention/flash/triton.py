@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
+from attention.masks import doc_bounds
 
 try:
     import triton
@@ -197,7 +198,9 @@ def _prune(kernel: str):
 
 
 _KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
-_AUTOTUNE_KEY = ["N_Q", "N_K", "D", "CAUSAL"]  # triton adds the tensors' dtypes to the key itself
+# triton adds the tensors' dtypes to the key itself. The window's size is not in it: the tiles that win at one
+# size are the ones tuned at the first size seen.
+_AUTOTUNE_KEY = ["N_Q", "N_K", "D", "CAUSAL", "GROUP", "WINDOW", "SOFTCAP", "DOCS"]
 
 
 @functools.cache
@@ -242,7 +245,8 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: 
     jit_fn = getattr(_kernels(), _KERNEL_NAMES[kernel])
     if tiles is None and not interpreting() and _autotune_enabled():
         # What the autotuner keys on (_AUTOTUNE_KEY and the dtypes, which follow q's), plus the device.
-        key = (kernel, *seq_lens, meta["D"], meta["CAUSAL"], like.dtype, like.device)
+        key = (kernel, *seq_lens, meta["D"], meta["CAUSAL"], meta["GROUP"], meta["WINDOW"], meta["SOFTCAP"],
+               meta["DOCS"], like.dtype, like.device)
         tiles = _tuned.get(key)
         if tiles is None:
             # Traced, the autotuner goes to Inductor, which tunes it when the compiled code first runs and keeps the
@@ -265,18 +269,41 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, meta: 
     )
 
 
-def _meta(q: torch.Tensor, causal: bool) -> dict:
+def _meta(q: torch.Tensor, causal: bool, groups: int = 1, window: Optional[int] = None,
+          softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None) -> dict:
     d = q.shape[-1]
     block_d = _block_d(d)
-    return {"D": d, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype, block_d)}
+    return {"D": d, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype, block_d),
+            "GROUP": groups, "WINDOW": window is not None, "SOFTCAP": softcap is not None, "DOCS": doc_ids is not None}
+
+
+def _variant_args(q4: torch.Tensor, lead: tuple[int, ...], scale: float, window: Optional[int],
+                  softcap: Optional[float], doc_ids: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
+    """(START, END, qk_scale, cap_scale, cap_log2e, window): what the kernels take for the variants.
+
+    START, END: each position's document bounds, int32 (batch, seq), or `dummy` (never read) without documents.
+    Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the kernels' qk_scale is 1.
+    """
+    start, end = (dummy, dummy) if doc_ids is None else doc_bounds(doc_ids, lead, q4.shape[-2])
+    log2e = math.log2(math.e)
+    if softcap is None:
+        return start, end, scale * log2e, 0.0, 0.0, window or 0
+    return start, end, 1.0, scale / softcap, softcap * log2e, window or 0
+
+
+def _groups(q4: torch.Tensor, k4: torch.Tensor) -> int:
+    return q4.shape[1] // k4.shape[1]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-            tiles: Optional[Tiles] = None, traceable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            tiles: Optional[Tiles] = None, traceable: bool = False, window: Optional[int] = None,
+            softcap: Optional[float] = None,
+            doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for validated inputs: o like q (its memory order up to 4 dims), lse fp32 of shape q.shape[:-1].
 
     tiles: a config to launch instead of the autotuner's. traceable: launch through torch.library.wrap_triton, as
-    code inside a triton_op must.
+    code inside a triton_op must. window, softcap, doc_ids: the variants (attention/registry.py); k and v may have
+    fewer heads than q (GQA).
     """
     q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     b, h, n_q, d = q4.shape
@@ -285,34 +312,42 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     o = empty_like(q)
     lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
     o4 = as_bhsd(o)
-    args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
-            h, n_q, n_k, scale * math.log2(math.e))
+    start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(
+        q4, tuple(q.shape[:-3]), scale, window, softcap, doc_ids, lse)
+    args = (q4, k4, v4, o4, lse, start, end, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
+            h, n_q, n_k, qk_scale, cap_scale, cap_log2e, window_arg)
+    meta = _meta(q, causal, _groups(q4, k4), window, softcap, doc_ids)
     with on_device_of(q):
-        _launch("fwd", (n_q, n_k), b * h, args, _meta(q, causal), q, tiles, traceable)
+        _launch("fwd", (n_q, n_k), b * h, args, meta, q, tiles, traceable)
     return o, lse
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
              do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
-             traceable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             traceable: bool = False, window: Optional[int] = None, softcap: Optional[float] = None,
+             doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}) replaces the
-    autotuner's configs of those kernels; traceable as in `forward`."""
+    autotuner's configs of those kernels; traceable and the variants as in `forward`. With GQA, each key/value
+    head's dK/dV program sums over its query heads in turn: deterministic, no atomics."""
     tiles = tiles or {}
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
     b, h, n_q, d = q4.shape
     n_k = k4.shape[-2]
-    meta = _meta(q, causal)
+    groups = _groups(q4, k4)
+    meta = _meta(q, causal, groups, window, softcap, doc_ids)
     dq, dk, dv = (empty_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = as_bhsd(dq), as_bhsd(dk), as_bhsd(dv)
-    qk_scale = scale * math.log2(math.e)
+    start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(
+        q4, tuple(q.shape[:-3]), scale, window, softcap, doc_ids, lse)
     with on_device_of(q):
         rowsum = delta(o4, do4, traceable)
-        args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
-                *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale)
-        _launch("dkdv", (n_q, n_k), b * h, args, meta, q, tiles.get("dkdv"), traceable)
-        args = (q4, k4, v4, do4, lse, rowsum, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
-                *_strides(dq4), h, n_q, n_k, qk_scale, scale)
+        args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
+                *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e,
+                window_arg)
+        _launch("dkdv", (n_q, n_k), b * (h // groups), args, meta, q, tiles.get("dkdv"), traceable)
+        args = (q4, k4, v4, do4, lse, rowsum, dq4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
+                *_strides(do4), *_strides(dq4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e, window_arg)
         _launch("dq", (n_q, n_k), b * h, args, meta, q, tiles.get("dq"), traceable)
     return dq, dk, dv
 

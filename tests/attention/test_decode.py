@@ -64,3 +64,48 @@ def test_bad_inputs_are_named(bad, message):
     q, k, v, cache_len = bad(*inputs())
     with pytest.raises(UnsupportedInputError, match=message):
         get_attention("naive").decode(q, k, v, cache_len)
+
+
+VARIANT_DECODERS = ["naive", "sdpa", "flash-torch", "flash"]
+
+
+@pytest.mark.parametrize("name", VARIANT_DECODERS)
+@pytest.mark.parametrize("kv_heads, window, softcap", [
+    (1, None, None), (2, None, None), (4, 1, None), (4, 33, None), (2, 300, None), (4, None, 5.0), (1, 20, 2.0)])
+@pytest.mark.parametrize("n_new", [1, 3])
+def test_decode_variants_match_float64(name, kv_heads, window, softcap, n_new):
+    """GQA (a cache with 1 or 2 heads for 4 query heads), windows of 1, 33 and beyond the cache, softcap; ragged
+    cache lengths (300 and 37 of 300), so a window cuts the long row and not the short one."""
+    q = randn(2, 4, n_new, 16, seed=4)
+    k, v = randn(2, kv_heads, 300, 16, seed=5), randn(2, kv_heads, 300, 16, seed=6)
+    cache_len = torch.tensor([300, 37], device=DEVICE)
+    variant = {"window": window, "softcap": softcap}
+    if (reason := why_not_decode(name, q, k, v, cache_len, **variant)) is not None:
+        assert name == "sdpa" and softcap is not None and "logit soft-capping" in reason
+        pytest.skip(reason)
+    o = get_attention(name).decode(q, k, v, cache_len, **variant)
+    ref = decode_reference_f64(q, k, v, cache_len, 1 / math.sqrt(16), window, softcap)
+    torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=2e-5)
+    if window is not None and window < 37:  # the window changes the answer: not a vacuous mask
+        plain = decode_reference_f64(q, k, v, cache_len, 1 / math.sqrt(16), None, softcap)
+        assert (plain - ref).abs().max() > 1e-3
+
+
+def test_decode_with_a_window_is_the_last_rows_of_windowed_attention():
+    k, v = randn(1, 2, 50, 16, seed=7), randn(1, 2, 50, 16, seed=8)
+    q = randn(1, 4, 50, 16, seed=9)
+    full = get_attention("naive")(q, k, v, causal=True, window=7, softcap=3.0)
+    o = get_attention("naive").decode(q[..., -2:, :], k, v, 50, window=7, softcap=3.0)
+    torch.testing.assert_close(o, full[..., -2:, :], atol=1e-6, rtol=1e-6)
+
+
+def test_decode_paths_say_which_variants_they_lack():
+    q, k, v, cache_len = inputs()
+    assert "its decode path does not run logit soft-capping" in why_not_decode("sdpa", q, k, v, cache_len,
+                                                                               softcap=2.0)
+    if DEVICE.type == "cuda":
+        assert "does not run sliding windows" in why_not_decode("flex", q, k, v, cache_len, window=4)
+    with pytest.raises(UnsupportedInputError, match="window must be an int >= 1"):
+        get_attention("naive").decode(q, k, v, cache_len, window=0)
+    with pytest.raises(UnsupportedInputError, match="multiple of k's"):
+        get_attention("naive").decode(randn(2, 3, 1, 16, seed=1), k, v, cache_len)

@@ -80,7 +80,7 @@ def test_unsupported_input_gives_reason():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flex has a backward on CUDA")
 def test_forward_only_when_backward_is_missing():
     p, inputs, ref = point_and_inputs(seq=16)
-    assert run_mode("flex", inputs, True)[0] == "forward"
+    assert run_mode("flex", inputs, p)[0] == "forward"
     row = measure_backend("flex", p, inputs, ref, "cpu", iters=1, warmup=0).row
     assert row["status"] == "ok" and row["note"].startswith("forward only: FlexAttention has no backward")
     assert row["fwd_ms"] > 0 and row["bwd_ms"] is None and row["fwdbwd_ms"] is None

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from benchmarking.attention_point import AttentionPoint, check_rows, check_slices, make_inputs
+from benchmarking.attention_point import (AttentionPoint, check_rows, check_slices, make_inputs, random_documents,
+                                          visible_pairs)
+from tests.benchmarking.dense_mask import dense_visible
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -45,3 +47,39 @@ def test_make_inputs_random_reproducible_and_masked(dtype):
     assert a.check_slices == [0, 5] and len(a.check_rows) == 8
     assert torch.equal(nonzero_rows, expected)
     assert a.nbytes() == 5 * 2 * 3 * 40 * 16 * p.torch_dtype.itemsize
+
+
+def test_label_names_the_variants():
+    p = AttentionPoint(1, 16, 2048, 64, "bf16", True, kv_heads=4, window=256, softcap=50.0, doc_len=128)
+    assert p.label() == "b1 h16 seq=2048 d=64 bf16 causal kv4 window=256 softcap=50 docs=128"
+    assert AttentionPoint(1, 4, 16, 16, "fp32", True, kv_heads=4).label() == "b1 h4 seq=16 d=16 fp32 causal"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 5, 64])
+@pytest.mark.parametrize("doc_len", [None, 1, 7])
+def test_visible_pairs_counts_the_mask(causal, window, doc_len):
+    seq = 50
+    doc_ids = None if doc_len is None else random_documents(3, seq, doc_len, torch.Generator().manual_seed(0))
+    seen = dense_visible(seq, causal, window, doc_ids)
+    assert visible_pairs(seq, causal, window, doc_ids) == pytest.approx(seen.reshape(-1, seq, seq).sum((1, 2))
+                                                                         .double().mean().item())
+
+
+def test_random_documents_have_the_mean_length_and_differ_per_sequence():
+    ids = random_documents(4, 100_000, 1024, torch.Generator().manual_seed(1))
+    assert ids.shape == (4, 100_000) and ids.dtype == torch.int32
+    assert bool((ids.diff(dim=-1) >= 0).all()) and bool((ids.diff(dim=-1) <= 1).all())
+    lengths = torch.unique_consecutive(ids[0], return_counts=True)[1][:-1].double()  # the last one is cut
+    assert lengths.mean().item() == pytest.approx(1024, rel=0.1) and lengths.max() <= 2047
+    assert not torch.equal(ids[0], ids[1])
+
+
+def test_make_inputs_with_gqa_and_documents():
+    p = AttentionPoint(2, 6, 64, 16, "fp32", True, kv_heads=2, window=8, doc_len=10)
+    inputs = make_inputs(p, "cpu", seed=0)
+    assert inputs.q.shape == (2, 6, 64, 16) and inputs.k.shape == inputs.v.shape == (2, 2, 64, 16)
+    assert inputs.doc_ids.shape == (2, 64)
+    assert inputs.kv_slices() == [0, 3]  # query slices 0 (b0 h0) and 11 (b1 h5): kv heads 0 and 2*1 + 5//3
+    assert inputs.pairs == visible_pairs(64, True, 8, inputs.doc_ids) < 64 * 65 / 2
+    assert p.flop("fwd", inputs.pairs) == 4 * 2 * 6 * inputs.pairs * 16

@@ -148,3 +148,30 @@ def test_the_compiled_and_graphed_step_equals_the_eager_one(attn):
     eager = generate(model, prompts, 12, Sampling(temperature=0))
     compiled = generate(model, prompts, 12, Sampling(temperature=0), compile=True)
     assert compiled.tokens == eager.tokens
+
+
+@pytest.mark.parametrize("attn", ["naive", "sdpa", "flash-torch", "flash"])
+def test_decoding_a_model_with_gqa_windows_and_softcap_equals_its_full_forward(attn):
+    """Sampling runs the variants of training: a cache of the key/value heads, the local layers' window, softcap."""
+    variants = {"n_kv_heads": 2, "window": 4, "window_pattern": "LG"}
+    if attn != "sdpa":  # SDPA takes no softcap
+        variants["attn_softcap"] = 20.0
+    decode_available(attn)
+    model = tiny(attn, DEVICE, **variants)
+    decoder = Decoder(model, batch=2, max_len=16)
+    assert decoder.cache.k.shape[2] == 2  # kv heads, not 4
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7]]
+    ids = torch.zeros(2, 7, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    logits = decoder.prefill(ids.to(DEVICE), torch.tensor([len(p) for p in prompts], device=DEVICE))
+    seqs = [list(p) for p in prompts]
+    for step in range(4):
+        with torch.no_grad():
+            for i, s in enumerate(seqs):
+                full = model(torch.tensor([s], device=DEVICE))[0, -1]
+                torch.testing.assert_close(logits[i], full, atol=1e-5, rtol=1e-5, msg=f"step {step}, row {i}")
+        tokens = torch.tensor([step + 1, step + 2])
+        for s, t in zip(seqs, tokens.tolist()):
+            s.append(t)
+        logits = decoder.step(tokens.to(DEVICE)).clone()
