@@ -45,7 +45,7 @@ from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
 from profiling.memory_snapshot import VIEWER_URL, format_peak, peak_report, record_memory_history, snapshot_unavailable
 from profiling.torch_profile import kernel_markdown, profile_steps
-from training import cli, distributed
+from training import cli, distributed, fp8
 from training.distributed import DistContext, DistributedError
 from training.metrics import mfu
 from training.step import GRAPH_WARMUP, OptimizerConfig, StepConfig, TrainingStep, build_step
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step AdamW parameter by parameter during the backward, on a second CUDA stream "
                         "(training/overlapped_optimizer.py): on, off (default) or both; ours, --mode train-step, "
                         "one device")
+    m.add_argument("--fp8", nargs="+", default=["off"],
+                   help="the blocks' Linear layers in float8 (training/fp8.py, torchao): off (default), tensorwise, "
+                        "rowwise; comma list, e.g. off,tensorwise,rowwise to compare. Needs --dtype bf16")
     m.add_argument("--mode", nargs="+", default=["forward-backward"],
                    help=f"{', '.join(MODES)}; comma list (default forward-backward)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -141,6 +144,7 @@ class Point:
     impl: str = "ours"  # ours, or hf: the Hugging Face peer (whole-model compile, its own SDPA attention)
     cuda_graph: bool = False  # the train-step captured once and replayed (training.cuda_graph)
     overlap_optimizer: bool = False  # AdamW stepped during the backward (training.overlapped_optimizer)
+    fp8: str = "off"  # the blocks' matmuls in float8 (training.fp8)
 
     @property
     def context_length(self) -> int:
@@ -153,6 +157,7 @@ class Point:
                 f"compile={self.compile_scope if self.compile else 'off'} {self.mode}"
                 + (" cuda-graph" if self.cuda_graph else "")
                 + (" opt-overlap" if self.overlap_optimizer else "")
+                + (f" fp8={self.fp8}" if self.fp8 != "off" else "")
                 + ("" if self.cfg.fp32_weight_grads or self.impl == "hf" else " dW=autocast"))
 
     @property
@@ -190,6 +195,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     args.dtype = _choices(p, "--dtype", _split(args.dtype), list(PRECISIONS), "dtype")
     args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
     args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
+    args.fp8 = _choices(p, "--fp8", _split(args.fp8), list(fp8.RECIPES), "fp8 recipe")
     if args.cuda_graph != "off":
         if args.mode != ["train-step"]:
             p.error(f"--cuda-graph captures the whole train step: use --mode train-step (got {','.join(args.mode)})")
@@ -238,6 +244,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
             p.error(f"size {size!r}: {e}")
 
     device = cli.check_device(p, args.device, args.parallel)
+    for recipe in args.fp8:
+        for dtype in args.dtype:
+            if (reason := fp8.problem(recipe, device, dtype, args.parallel)) is not None:
+                p.error(reason)
     # The step itself: ours through training.step, never clipped (grad_clip None), as --overlap-optimizer needs.
     cli.check_step_flags(p, device, args.parallel, args.dtype, args.cuda_graph != "off",
                          args.overlap_optimizer != "off")
@@ -283,10 +293,11 @@ def sweep_points(args: argparse.Namespace) -> list[Point]:
     # The overlapped optimizer is ours: the peer keeps its plain AdamW step.
     return [
         Point(size, replace(args.configs[size], attn=attn, context_length=t), args.batch_size, dtype, comp, mode,
-              "model" if impl == "hf" else args.compile_scope, impl, graph, overlap)
+              "model" if impl == "hf" else args.compile_scope, impl, graph, overlap, fp8)
         for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
         for t in args.context_lengths for mode in args.mode for graph in graphs
         for overlap in (overlaps if impl == "ours" else [False])
+        for fp8 in (args.fp8 if impl == "ours" else ["off"])
     ]
 
 
@@ -362,7 +373,7 @@ def step_config(point: Point) -> StepConfig:
     norm, so that rows with and without --overlap-optimizer (which cannot clip) time the same work."""
     return StepConfig(precision=point.dtype, compile=point.compile, compile_scope=point.compile_scope,
                       overlap_optimizer=point.overlap_optimizer, cuda_graph=point.cuda_graph, grad_norm=False,
-                      optimizer=OptimizerConfig(grad_clip=0.0))
+                      fp8=point.fp8, optimizer=OptimizerConfig(grad_clip=0.0))
 
 
 def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] = None) -> Runner:
@@ -394,7 +405,7 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
                n_heads=cfg.n_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
                batch_size=point.batch_size, impl=point.impl, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
                mode=point.mode, cuda_graph=point.cuda_graph, overlap_optimizer=point.overlap_optimizer,
-               warmup=args.warmup, steps=args.steps)
+               fp8=point.fp8, warmup=args.warmup, steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
     return row
@@ -563,9 +574,13 @@ def explain_precision(args: argparse.Namespace) -> None:
     """--explain-precision: benchmarking/precision_report.py's tables for each size and dtype, printed."""
     for size in args.sizes:
         for dtype in args.dtype:
-            torch.manual_seed(args.seed)
-            model = TransformerLM(dataclasses.replace(args.configs[size], attn=args.attn[0])).to(args.device)
-            print(f"# {size}\n\n{precision_report.report(model, dtype, args.device)}\n")
+            for recipe in args.fp8:
+                torch.manual_seed(args.seed)
+                model = TransformerLM(dataclasses.replace(args.configs[size], attn=args.attn[0])).to(args.device)
+                if recipe != "off":
+                    fp8.convert(model, recipe, args.device)
+                title = f"{size}{f', --fp8 {recipe}' if recipe != 'off' else ''}"
+                print(f"# {title}\n\n{precision_report.report(model, dtype, args.device)}\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from attention import UnknownBackendError, backend_names
 from model import PRESETS, ModelConfig, TransformerLM, config_for
-from training import checkpoint, cli, distributed, run_dir, sharded_checkpoint, speed_defaults
+from training import checkpoint, cli, distributed, fp8, run_dir, sharded_checkpoint, speed_defaults
 from training.checkpoint_files import CheckpointError
 from training.data import batch_at, check_vocab
 from training.dataset import check_vocab_size, load_run_data, record_tokenizer
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "it: no host time per step. One CUDA device, bf16 or fp32; the first 2 steps run eagerly. "
                         "Default on where it applies (CUDA, one process, no --pack-documents, no activation "
                         "checkpointing, not fp16)")
+    o.add_argument("--fp8", choices=list(fp8.RECIPES), default="off",
+                   help="the blocks' Linear layers in float8 through torchao (training/fp8.py): tensorwise or rowwise "
+                        "scaling; needs --dtype bf16 and a GPU with float8 matmuls (emulated on the CPU)")
     o.add_argument("--overlap-optimizer", action="store_true",
                    help="step AdamW parameter by parameter during the backward, on a second CUDA stream, as each "
                         "gradient is complete (training/overlapped_optimizer.py): the same updates, a shorter step. "
@@ -139,7 +142,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     args.dtype, args.compile, args.cuda_graph = speed.dtype, speed.compile, speed.cuda_graph
     cli.check_step_flags(p, device, args.parallel, [args.dtype], args.cuda_graph, args.overlap_optimizer,
                          grad_clip=args.grad_clip)
-    problem = flag_problem(args)  # negative or contradictory
+    problem = fp8.problem(args.fp8, device, args.dtype, args.parallel) or flag_problem(args)  # negative or contradictory
     if problem:
         p.error(problem)
     return speed.line
@@ -169,7 +172,7 @@ def step_config(args: argparse.Namespace) -> StepConfig:
     """The training step the flags ask for (training.step builds it, as for bench_model.py)."""
     return StepConfig(precision=args.dtype, compile=args.compile, compile_scope=args.compile_scope,
                       activation_checkpointing=args.activation_checkpointing,
-                      overlap_optimizer=args.overlap_optimizer, cuda_graph=args.cuda_graph,
+                      overlap_optimizer=args.overlap_optimizer, cuda_graph=args.cuda_graph, fp8=args.fp8,
                       optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip))
 
 
@@ -273,7 +276,7 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
     say(f"model: {n_params / 1e6:.1f}M parameters ({n_non_embed / 1e6:.1f}M non-embedding), "
         f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads{variants_of(cfg)}, "
         f"attention {cfg.attn!r}, "
-        f"{args.dtype} on {device}{ranks}")
+        f"{args.dtype}{f' with float8 matmuls ({args.fp8})' if args.fp8 != 'off' else ''} on {device}{ranks}")
     say(f"data: {data.description}: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, "
         f"vocab {vocab_size}; {flops_per_token(cfg) / 1e9:.2f} GFLOP per token")
 

@@ -37,6 +37,7 @@ COLUMNS: dict[str, str] = {
                   "peak memory counts from the capture on (a replay allocates nothing: it runs in the graph's pool)",
     "overlap_optimizer": "AdamW stepped parameter by parameter during the backward, on a second stream "
                          "(training.overlapped_optimizer); the backward phase then includes most of the optimizer",
+    "fp8": "off, or the blocks' Linear layers in float8 with tensorwise or rowwise scaling (training.fp8)",
     "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
     **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
        for p in PHASES for s in ("mean", "std")},
@@ -90,7 +91,7 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         shown.append(d)
     columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn",
                "dtype": "dtype", "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph",
-               "overlap_optimizer": "opt overlap", "forward": "forward ms", "backward": "backward ms",
+               "overlap_optimizer": "opt overlap", "fp8": "fp8", "forward": "forward ms", "backward": "backward ms",
                "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
@@ -129,7 +130,8 @@ def variant(row: dict[str, Any]) -> str:
     who = "hf-llama" if row.get("impl") == "hf" else row["attn"]
     graph = " cuda-graph" if row.get("cuda_graph") else ""
     overlap = " opt-overlap" if row.get("overlap_optimizer") else ""
-    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}"
+    fp8 = f" fp8={row['fp8']}" if row.get("fp8") not in (None, "off") else ""
+    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}{fp8}"
 
 
 def variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

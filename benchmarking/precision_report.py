@@ -58,7 +58,8 @@ def dtype_rows(model: TransformerLM, precision: str, device: torch.device | str,
     params = {p.dtype for p in model.parameters()}
     rows = [{"tensor": "parameters", "shape": f"{model.num_params():,} values",
              "dtype": ", ".join(sorted(_name(d) for d in params)),
-             "why": "the master weights: the optimizer updates them in fp32 whatever the compute dtype"}]
+             "why": "the master weights: the optimizer updates them in fp32 whatever the compute dtype"},
+            _matmul_row(model, precision)]
     rows += [{"tensor": f"output of {name}", "shape": str(tuple(t.shape)), "dtype": _name(t.dtype), "why": why}
              for name, why in _WHY.items() for t in [outputs[name]]]
     rows.append({"tensor": "loss", "shape": "()", "dtype": _name(loss.dtype),
@@ -71,10 +72,25 @@ def dtype_rows(model: TransformerLM, precision: str, device: torch.device | str,
     return rows
 
 
+def _matmul_row(model: TransformerLM, precision: str) -> dict[str, Any]:
+    """What the blocks' matmuls multiply: float8 under --fp8 (training/fp8.py), else autocast's dtype."""
+    row = {"tensor": "inputs of the blocks' matmuls", "shape": "-"}
+    if type(model.blocks[0].attn.qkv).__name__ == "Float8Linear":
+        return row | {"dtype": "float8_e4m3fn; gradients float8_e5m2",
+                      "why": "--fp8: torchao scales each input and weight into e4m3's range and casts it, the output "
+                             "gradient into e5m2's; the products accumulate in fp32 and come out in autocast's dtype"}
+    if precision == "fp32":
+        return row | {"dtype": "float32", "why": "no autocast"}
+    return row | {"dtype": _name(DTYPES[precision]), "why": "autocast casts each matmul's inputs; the products "
+                                                            "accumulate in fp32"}
+
+
 def _grad_why(model: TransformerLM, precision: str, name: str) -> str:
     if precision == "fp32":
         return "the parameter's dtype"
     if name.endswith("qkv.weight"):
+        if type(dict(model.named_modules())[name.removesuffix(".weight")]).__name__ == "Float8Linear":
+            return "a float8 matmul's weight gradient, returned in the parameter's fp32"
         if model.cfg.fp32_weight_grads:
             return "written in fp32 by its own matmul (--weight-grads fp32, model/layers.py)"
         return "computed in the low dtype, then cast to the parameter's fp32 (--weight-grads autocast)"

@@ -23,6 +23,12 @@
 #   train-variants  train.py, small, eager, bf16, flash, 300 steps on the built-in corpus as BPE (prepare_data.py):
 #                the plain model, the same with --pack-documents, and with GQA (4 kv heads), windows of 256 (LLLG),
 #                documents and a softcap of 50: losses and step times side by side
+#   fp8          float8 training against bf16 in the same run (torchao; ./.wheels needs its wheel:
+#                ../shared/gpu/fetch-wheels.sh .wheels torchao):
+#                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), compiled + CUDA graph,
+#                         --fp8 off,tensorwise,rowwise
+#                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
+#                         rowwise: the loss curves side by side
 #   profile      bench_model.py --profile on ours (sdpa, compiled), then scripts/kernel_categories.py: GPU ms per
 #                step by kernel category. Parts: large, 2.7B (shapes as in train-steps)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
@@ -163,6 +169,34 @@ summary_train_variants() {
     summarize train-variants "$OUT/train-variants"
 }
 
+# --- fp8 -------------------------------------------------------------------------------------------------------
+step_fp8() {
+    local part size dir="$OUT/fp8"
+    for part in $(parts "$1" steps loss); do
+        case $part in
+            steps)
+                for size in large 2.7B; do
+                    # shellcheck disable=SC2046
+                    run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
+                        --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash \
+                        --cuda-graph on --fp8 off,tensorwise,rowwise --out "$dir/steps-$size"
+                done ;;
+            loss)
+                local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
+                              --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
+                run "$dir/loss-bf16.log" 300 "$PY" train.py "${common[@]}" --out "$dir/loss-bf16"
+                run "$dir/loss-rowwise.log" 300 "$PY" train.py "${common[@]}" --fp8 rowwise --out "$dir/loss-rowwise" ;;
+            *) echo "unknown part fp8:$part (steps, loss)"; STATUS=1 ;;
+        esac
+    done
+    SUMMARIES+=(summary_fp8)
+}
+summary_fp8() {
+    echo "## fp8: bf16, compiled, CUDA graph ($OUT/fp8/*/results.json, $OUT/fp8/loss-*/metrics.jsonl)"
+    summarize train-steps "$OUT"/fp8/steps-*/results.json
+    summarize train-variants "$OUT/fp8" loss-bf16 loss-rowwise
+}
+
 # --- profile ---------------------------------------------------------------------------------------------------
 step_profile() {
     local size dir trace
@@ -274,12 +308,14 @@ elif kind == "train-steps":
             adamw = "overlapped" if r.get("overlap_optimizer") else "after"
             ms = f"{fmt(r.get('total_ms_mean'), '.2f')} ± {fmt(r.get('total_ms_std'), '.2f')}"
             mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+            adamw += f" fp8={r['fp8']}" if r.get("fp8") not in (None, "off") else ""
             print(f"{r['size']:<6} {r['impl']:<5} {r['attn']:<6} {adamw:<10} {ms:>16}"
                   f" {fmt(r.get('tokens_per_s'), ',.0f'):>9} {mfu:>6} {fmt(r.get('peak_mem_gib'), '.2f'):>6}"
                   f"  {r['status']}")
 elif kind == "train-variants":
-    print(f"{'run':<9} {'step ms':>8} {'tokens/s':>9} {'MFU':>6}  losses every 25 steps; validation")
-    for name in ("plain", "packed", "variants"):
+    names = [str(p) for p in paths[1:]] or ["plain", "packed", "variants"]
+    print(f"{'run':<12} {'step ms':>8} {'tokens/s':>9} {'MFU':>6}  losses at each log step; validation")
+    for name in names:
         path = paths[0] / name / "metrics.jsonl"
         if not path.exists():
             continue
@@ -290,7 +326,7 @@ elif kind == "train-variants":
             continue
         last = train[-1]
         mfu = f"{100 * last['mfu']:.1f}%" if last.get("mfu") is not None else "-"
-        print(f"{name:<9} {last['step_ms']:>8.1f} {last['tokens_per_s']:>9,.0f} {mfu:>6}  "
+        print(f"{name:<12} {last['step_ms']:>8.1f} {last['tokens_per_s']:>9,.0f} {mfu:>6}  "
               + " ".join(f"{x['loss']:.2f}" for x in train) + "; " + " ".join(f"{x['val_loss']:.3f}" for x in val))
 elif kind == "distributed":
     logs = paths[0]
@@ -328,8 +364,9 @@ for arg in "$@"; do
     case $arg in
         -n|--dry-run) DRY_RUN=1 ;;
         -h|--help) usage; exit 0 ;;
-        tests*|attention*|train-steps*|train-variants|profile*|distributed*) steps+=("$arg") ;;
-        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants profile distributed (--help)" >&2
+        tests*|attention*|train-steps*|train-variants|fp8*|profile*|distributed*) steps+=("$arg") ;;
+        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants fp8 profile distributed" \
+                "(--help)" >&2
            exit 2 ;;
     esac
 done
@@ -340,6 +377,7 @@ if [ -d .wheels ] && [ "$DRY_RUN" = 0 ]; then  # what the GPU image lacks, witho
     wheels=(einx wandb)
     [[ " ${steps[*]}" == *" train-steps"* ]] && wheels+=(transformers)
     [[ " ${steps[*]}" == *" train-variants"* ]] && wheels+=(tokenizers)
+    [[ " ${steps[*]}" == *" fp8"* ]] && wheels+=(torchao)
     "$PY" -m pip install -q --no-index --find-links .wheels "${wheels[@]}" || echo "warning: installing ${wheels[*]} from .wheels failed"
 fi
 

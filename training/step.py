@@ -4,6 +4,7 @@
     loss, grad_norm = step(x, y)          # forward, backward, clipping, AdamW; gradients cleared
 
 The order of the recipe is what makes its parts compose, as torchtitan does it:
+0. with --fp8, the blocks' Linear layers become float8 ones (training.fp8), sharing their weights;
 1. activation checkpointing wraps each block's forward, so that compilation traces the recomputation too;
 2. regional compilation (`--compile-scope blocks`) compiles the blocks and the loss in place, before FSDP, so its
    hooks stay outside compiled code;
@@ -24,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from training import distributed
+from training import distributed, fp8
 from training.activation_checkpointing import checkpoint_blocks
 from training.compilation import compile_regions
 from training.cuda_graph import GraphedStep
@@ -56,6 +57,7 @@ class StepConfig:
     activation_checkpointing: bool = False
     overlap_optimizer: bool = False  # AdamW stepped during the backward (training.overlapped_optimizer)
     cuda_graph: bool = False  # the whole step captured once and replayed (training.cuda_graph)
+    fp8: str = "off"  # the blocks' matmuls in float8: "tensorwise" or "rowwise" scaling (training.fp8)
     # The global gradient norm, returned by each step (train.py logs it). Without clipping it can be skipped:
     # bench_model times the step without it, so that its --overlap-optimizer rows compare like with like.
     grad_norm: bool = True
@@ -180,6 +182,8 @@ def build_step(model: nn.Module, config: StepConfig, ctx: Optional[DistContext] 
     """
     ctx = ctx or DistContext(device=next(model.parameters()).device)
     device = ctx.device
+    if config.fp8 != "off":
+        fp8.convert(model, config.fp8, device)  # first: checkpointing, compile and the optimizer see the new layers
     if config.activation_checkpointing:
         checkpoint_blocks(model)
     if config.compile and config.compile_scope == "blocks":

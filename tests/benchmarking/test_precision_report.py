@@ -10,7 +10,8 @@ from model import ModelConfig, TransformerLM
 from training.precision import autocast
 
 CFG = dict(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=97, context_length=32)
-LOW = {"output of blocks.0.attn.qkv", "output of blocks.0.attn", "output of blocks.0.ffn", "output of lm_head"}
+LOW = {"inputs of the blocks' matmuls", "output of blocks.0.attn.qkv", "output of blocks.0.attn",
+       "output of blocks.0.ffn", "output of lm_head"}
 
 
 def table(rows):
@@ -68,3 +69,15 @@ def test_bench_model_explain_precision_prints_both_tables(capsys):
     assert text.count("## Dtypes of a training step") == 2 and "--dtype bf16 on cpu" in text
     assert "| bf16 | 0.01001 | 4.000 |" in text
     assert report(TransformerLM(ModelConfig(**CFG)), "fp32", "cpu") in text
+
+
+def test_under_fp8_the_blocks_matmuls_are_float8_and_the_rest_unchanged():
+    pytest.importorskip("torchao.float8")
+    from training import fp8
+
+    plain, converted = TransformerLM(ModelConfig(**CFG)), TransformerLM(ModelConfig(**CFG))
+    fp8.convert(converted, "tensorwise", torch.device("cpu"))
+    before, after = table(dtype_rows(plain, "bf16", "cpu")), table(dtype_rows(converted, "bf16", "cpu"))
+    assert after.pop("inputs of the blocks' matmuls").startswith("float8_e4m3fn")
+    before.pop("inputs of the blocks' matmuls")
+    assert after == before  # outputs, loss and gradients keep their dtypes

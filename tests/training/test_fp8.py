@@ -1,0 +1,95 @@
+"""--fp8: the blocks' Linear layers become torchao float8 ones (emulated on the CPU) sharing their weights; the loss and
+gradients stay close to bf16's; the flags that cannot run are refused with the reason."""
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+
+import bench_model  # noqa: E402
+import train  # noqa: E402
+from model import ModelConfig, TransformerLM  # noqa: E402
+from training import fp8  # noqa: E402
+from training.precision import autocast  # noqa: E402
+from training.step import StepConfig, build_step  # noqa: E402
+
+CPU = torch.device("cpu")
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=97, context_length=32, attn="naive")
+
+
+def model(cfg: ModelConfig = CFG) -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(cfg)
+
+
+def test_the_blocks_linears_become_float8_sharing_their_weights():
+    m = model()
+    weights = {n: p for n, p in m.named_parameters()}
+    swapped = fp8.convert(m, "tensorwise", CPU)
+    assert swapped == [f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.out", "ffn.w1", "ffn.w2",
+                                                                        "ffn.w3")]
+    assert type(m.blocks[0].attn.qkv).__name__ == "Float8Linear" and type(m.lm_head).__name__ == "Linear"
+    assert {n: p for n, p in m.named_parameters()} == weights  # the same Parameters under the same names
+    assert m.state_dict().keys() == model().state_dict().keys()  # checkpoints load into a plain model
+
+
+def test_dimensions_that_are_not_multiples_of_16_stay_as_they_are():
+    m = model(ModelConfig(**{**CFG.to_dict(), "d_ff": 72}))
+    swapped = fp8.convert(m, "rowwise", CPU)
+    assert "blocks.0.attn.qkv" in swapped and not any("ffn" in n for n in swapped)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_loss_and_gradients_stay_close_to_bf16(recipe):
+    ids = torch.randint(0, 97, (4, 33), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for name in ("bf16", recipe):
+        m = model()
+        if name != "bf16":
+            fp8.convert(m, recipe, CPU)
+        with autocast(CPU, "bf16"):
+            loss = m(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        results[name] = loss.item(), {n: p.grad.flatten() for n, p in m.named_parameters()}
+    (loss_bf16, grads_bf16), (loss_fp8, grads_fp8) = results["bf16"], results[recipe]
+    assert loss_fp8 == pytest.approx(loss_bf16, rel=1e-2)
+    for name, g in grads_bf16.items():
+        cosine = torch.nn.functional.cosine_similarity(g, grads_fp8[name], dim=0).item()
+        assert cosine > 0.98, (name, cosine)
+    assert any(not torch.equal(g, grads_fp8[n]) for n, g in grads_bf16.items())  # float8 did change something
+
+
+def test_build_step_converts_before_the_optimizer_and_trains():
+    m = model()
+    step = build_step(m, StepConfig(precision="bf16", fp8="tensorwise"))
+    assert type(m.blocks[1].ffn.w2).__name__ == "Float8Linear"
+    ids = torch.randint(0, 97, (8, 33), generator=torch.Generator().manual_seed(2))
+    losses = [step(ids[:, :-1], ids[:, 1:])[0].item() for _ in range(15)]
+    assert losses[-1] < losses[0] - 0.5  # the same batch fifteen times: it learns it
+
+
+@pytest.mark.parametrize("recipe, precision, parallel, message", [
+    ("tensorwise", "fp32", "none", "--fp8 tensorwise trains under bf16 autocast: add --dtype bf16 (got fp32)"),
+    ("rowwise", "bf16", "fsdp", "--fp8 with --parallel fsdp is not supported"),
+])
+def test_what_cannot_run_is_named(recipe, precision, parallel, message):
+    assert message in fp8.problem(recipe, CPU, precision, parallel)
+    assert fp8.problem("off", CPU, precision, parallel) is None
+
+
+def test_train_py_refuses_fp8_without_bf16(capsys):
+    parser = train.build_parser()
+    with pytest.raises(SystemExit):
+        train.check_args(parser, parser.parse_args(["--device", "cpu", "--fp8", "rowwise"]))
+    assert "add --dtype bf16 (got fp32)" in capsys.readouterr().err
+    args = parser.parse_args(["--device", "cpu", "--fp8", "rowwise", "--dtype", "bf16"])
+    train.check_args(parser, args)
+    assert train.step_config(args).fp8 == "rowwise"
+
+
+def test_bench_model_sweeps_fp8_recipes(tmp_path):
+    rows = bench_model.main(["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--vocab-size",
+                             "97", "--context-lengths", "32", "--batch-size", "2", "--warmup", "1", "--steps", "1",
+                             "--dtype", "bf16", "--fp8", "off,tensorwise", "--mode", "train-step", "--device", "cpu",
+                             "--no-progress", "--out", str(tmp_path)])
+    assert [(r["fp8"], r["status"]) for r in rows] == [("off", "ok"), ("tensorwise", "ok")]
