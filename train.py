@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
     o.add_argument("--steps", type=int, default=2000, help="optimizer steps in total")
+    o.add_argument("--grad-accum-steps", type=int, default=1,
+                   help="split each step's batch into this many micro-batches, run one after another with their "
+                        "gradients summed: the same update with the activation memory of one micro-batch (it must "
+                        "divide the sequences per rank)")
     cli.add_optimizer_flags(o)  # --lr, --weight-decay, --grad-clip
     o.add_argument("--min-lr", type=float, default=6e-5, help="learning rate at the end of the cosine decay")
     o.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up steps")
@@ -131,7 +135,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
         p.error(f"unknown --size {args.size!r}; valid: {', '.join(PRESETS)}")
     if args.attn not in backend_names():
         p.error(f"unknown --attn {args.attn!r}; valid: {', '.join(backend_names())}")
-    cli.check_at_least(p, args, 1, "batch_size", "steps", "context_length", "eval_batches", "log_every")
+    cli.check_at_least(p, args, 1, "batch_size", "steps", "context_length", "eval_batches", "log_every",
+                       "grad_accum_steps")
+    if args.grad_accum_steps > 1 and args.overlap_optimizer:
+        p.error("--overlap-optimizer steps AdamW during each backward, --grad-accum-steps needs all micro-batches' "
+                "gradients first: drop one")
     if args.min_lr > args.lr:
         p.error(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
     device = cli.check_device(p, args.device, args.parallel)
@@ -173,6 +181,7 @@ def step_config(args: argparse.Namespace) -> StepConfig:
     return StepConfig(precision=args.dtype, compile=args.compile, compile_scope=args.compile_scope,
                       activation_checkpointing=args.activation_checkpointing,
                       overlap_optimizer=args.overlap_optimizer, cuda_graph=args.cuda_graph, fp8=args.fp8,
+                      grad_accum_steps=args.grad_accum_steps,
                       optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip))
 
 
@@ -272,6 +281,10 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
 
     n_params, n_non_embed = model.num_params(), model.num_params(non_embedding=True)
     tokens_per_step = args.batch_size * args.context_length  # global: all ranks together
+    if (args.batch_size // ctx.world_size) % args.grad_accum_steps:
+        raise TrainingError(f"--grad-accum-steps {args.grad_accum_steps} must divide the sequences per rank and step "
+                            f"(--batch-size {args.batch_size} over {ctx.world_size} rank"
+                            f"{'s' * (ctx.world_size > 1)}: {args.batch_size // ctx.world_size})")
     ranks = f", {args.parallel} over {ctx.world_size} rank{'s' * (ctx.world_size > 1)}" if ctx.is_distributed else ""
     say(f"model: {n_params / 1e6:.1f}M parameters ({n_non_embed / 1e6:.1f}M non-embedding), "
         f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads{variants_of(cfg)}, "

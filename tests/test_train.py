@@ -110,6 +110,10 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
         (["--cuda-graph"], 2, "--cuda-graph needs a CUDA device, got --device cpu"),
         (["--overlap-optimizer"], 2, "before the global norm is known: add --grad-clip 0"),
         (["--overlap-optimizer", "--grad-clip", "0", "--parallel", "ddp"], 2, "--overlap-optimizer is for one process"),
+        (["--grad-accum-steps", "0"], 2, "--grad-accum-steps must be >= 1, got 0"),
+        (["--grad-accum-steps", "2", "--overlap-optimizer", "--grad-clip", "0"], 2, "drop one"),
+        (["--grad-accum-steps", "3"], 1, r"--grad-accum-steps 3 must divide the sequences per rank and step "
+                                         r"\(--batch-size 4 over 1 rank: 4\)"),
     ],
 )
 def test_bad_input_stops_with_a_message(tmp_path, text_file, capsys, argv, code, message):

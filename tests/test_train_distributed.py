@@ -99,6 +99,15 @@ def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     assert results[1].stdout == ""
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_accumulated_micro_batches_train_like_one_process(tmp_path, text_file, one_process, parallel):
+    """--grad-accum-steps 2 over 2 ranks: micro-batches of one sequence, gradients reduced after the second only."""
+    out = tmp_path / parallel
+    results = run_ranks(argv(text_file, out, "--parallel", parallel, "--grad-accum-steps", "2"), tmp_path / "logs")
+    assert_ranks_exited(results, 0, 0)
+    assert_same_training(rows(out), rows(one_process))
+
+
 def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_file):
     # Under bf16 autocast the Linears' fp32 weight gradients (model/layers.py) are what DDP all-reduces.
     one, ddp = tmp_path / "one", tmp_path / "ddp"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -58,6 +58,9 @@ class StepConfig:
     overlap_optimizer: bool = False  # AdamW stepped during the backward (training.overlapped_optimizer)
     cuda_graph: bool = False  # the whole step captured once and replayed (training.cuda_graph)
     fp8: str = "off"  # the blocks' matmuls in float8: "tensorwise" or "rowwise" scaling (training.fp8)
+    # The batch of a step split into this many micro-batches, run one after another with their gradients summed:
+    # the same update, the activations of one micro-batch. DDP and FSDP reduce the gradients after the last only.
+    grad_accum_steps: int = 1
     # The global gradient norm, returned by each step (train.py logs it). Without clipping it can be skipped:
     # bench_model times the step without it, so that its --overlap-optimizer rows compare like with like.
     grad_norm: bool = True
@@ -121,6 +124,24 @@ class TrainingStep:
                 return (model or self.step_model)(x, y)
             return (model or self.step_model)(x, y, doc_ids=doc_ids)
 
+    @contextlib.contextmanager
+    def gradient_sync(self, sync: bool) -> Iterator[None]:
+        """Inside, with sync False: DDP and FSDP keep the gradients local (accumulated micro-batches but the last)."""
+        ddp = getattr(self.step_model, "_orig_mod", self.step_model)  # under a whole-model compile
+        if sync:
+            yield
+        elif isinstance(ddp, nn.parallel.DistributedDataParallel):
+            with ddp.no_sync():
+                yield
+        elif hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 shards the model in place
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
+        else:  # one process: nothing to hold back
+            yield
+
     def backward(self, loss: torch.Tensor) -> None:
         """The backward (of the scaled loss under fp16); with the overlapped optimizer AdamW steps inside it."""
         self.scaler.scale(loss).backward()
@@ -144,8 +165,21 @@ class TrainingStep:
                    doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         """Forward, backward and optimizer without synchronising or clearing gradients: what a CUDA graph captures.
         Returns (loss,) or (loss, grad norm)."""
-        loss = self.loss(x, y) if doc_ids is None else self.loss(x, y, None, doc_ids)
-        self.backward(loss)
+        n = self.config.grad_accum_steps
+        if n == 1:
+            loss = self.loss(x, y) if doc_ids is None else self.loss(x, y, None, doc_ids)
+            self.backward(loss)
+        else:
+            if x.shape[0] % n:
+                raise ValueError(f"grad_accum_steps {n} must divide the batch of {x.shape[0]} sequences")
+            # Equal micro-batches: the mean of their mean losses is the batch's mean loss, and so are the gradients.
+            chunks = zip(x.chunk(n), y.chunk(n), doc_ids.chunk(n) if doc_ids is not None else [None] * n)
+            loss = x.new_zeros((), dtype=torch.float32)
+            for i, (xi, yi, di) in enumerate(chunks):
+                with self.gradient_sync(i == n - 1):
+                    micro = self.loss(xi, yi) if di is None else self.loss(xi, yi, None, di)
+                    self.backward(micro / n)
+                loss = loss + micro.detach() / n
         grad_norm = self.optimizer_step()
         return (loss.detach(),) if grad_norm is None else (loss.detach(), grad_norm)
 
