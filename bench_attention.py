@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode points instead, at these batch sizes (e.g. 1,8,64): one query per sequence and head "
                         "against a KV cache of each --seq-lens length (default 1024..131072), through each backend's "
                         "decode path (default flash,sdpa,flex); time, GB/s of K and V read, and that over the "
-                        "measured copy bandwidth")
+                        "measured copy bandwidth. --kv-heads gives the cache fewer heads (GQA), --window reads only "
+                        "its last positions")
     return p
 
 
@@ -603,7 +604,7 @@ def decode_points(args: argparse.Namespace, cfg: Config, environment: dict[str, 
     rows = []
     for dtype in cfg.dtypes:
         rows += attention_decode_rows(backends, args.decode, cfg.heads, cache_lens, cfg.d_heads, DTYPES[dtype],
-                                      torch.device(cfg.device))
+                                      torch.device(cfg.device), cfg.kv_heads, cfg.window)
     cfg.out.mkdir(parents=True, exist_ok=True)
     table = report.markdown_table(rows, DECODE_COLUMNS, {"ms": ".4f", "gbs": ".0f", "copy_fraction": ".0%"})
     report.write_markdown(cfg.out / "decode.md", "Decode attention", [f"`{cfg.command}`", table],
@@ -629,6 +630,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
     print(f"bench_attention on {describe(environment)}", file=sys.stderr)
 
     if args.decode:
+        if args.softcap is not None or args.doc_len is not None:
+            parser.error("--decode times GQA (--kv-heads) and windows (--window); --softcap and --doc-len do not "
+                         "apply to it")
         return decode_points(args, cfg, environment)
 
     if args.explain_memory:

@@ -39,8 +39,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def cache_bytes_read(cfg: ModelConfig, batch: int, cache_len: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for `cache_len` positions of `batch` sequences."""
-    return 2 * cfg.n_layers * batch * cache_len * cfg.d_model * torch.empty((), dtype=dtype).element_size()
+    """K and V of every layer for `cache_len` positions of `batch` sequences (the key/value heads only, with GQA)."""
+    width = cfg.kv_heads * cfg.d_head
+    return 2 * cfg.n_layers * batch * cache_len * width * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -138,19 +139,23 @@ def time_hf_decode(model: TransformerLM, batch: int, cache_len: int, steps: int 
 
 
 def time_attention_decode(name: str, batch: int, heads: int, cache_len: int, d_head: int, dtype: torch.dtype,
-                          device: torch.device) -> tuple[float, float]:
-    """(ms, bytes/s reading K and V) of one query per sequence and head against a full cache of `cache_len`,
-    through the registry's decode path of backend `name`."""
+                          device: torch.device, kv_heads: Optional[int] = None,
+                          window: Optional[int] = None) -> tuple[float, float]:
+    """(ms, bytes/s reading K and V) of one query per sequence and head against a full cache of `cache_len` with
+    `kv_heads` heads (GQA; default `heads`), through the registry's decode path of backend `name`. With a window,
+    only its last `window` positions are read, and counted."""
     from attention import get_attention
 
     gen = torch.Generator(device).manual_seed(0)
     q = torch.randn(batch, heads, 1, d_head, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(batch, heads, cache_len, d_head, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(batch, kv_heads or heads, cache_len, d_head, device=device, dtype=dtype, generator=gen)
     v = torch.randn_like(k)
     cache_len_t = torch.full((batch,), cache_len, device=device)
     decode = get_attention(name).decode
-    ms = time_ms(lambda: decode(q, k, v, cache_len_t), device).median_ms
-    return ms, (k.nbytes + v.nbytes) / (ms * 1e-3)
+    variant = {} if window is None else {"window": window}
+    ms = time_ms(lambda: decode(q, k, v, cache_len_t, **variant), device).median_ms
+    read = (k.nbytes + v.nbytes) * min(cache_len, window or cache_len) // cache_len
+    return ms, read / (ms * 1e-3)
 
 
 def sampling_figures(mode: str, impl: str, cfg: ModelConfig, batch: int, cache_len: int, dtype: torch.dtype,
@@ -170,14 +175,16 @@ def sampling_figures(mode: str, impl: str, cfg: ModelConfig, batch: int, cache_l
             "bandwidth_gbs": timing.bandwidth / 1e9, "bandwidth_fraction": timing.bandwidth / copy_bandwidth(device)}
 
 
-DECODE_COLUMNS = ["backend", "batch", "heads", "cache_len", "d_head", "dtype", "status", "ms", "gbs",
-                  "copy_fraction", "note"]
+DECODE_COLUMNS = ["backend", "batch", "heads", "kv_heads", "cache_len", "window", "d_head", "dtype", "status", "ms",
+                  "gbs", "copy_fraction", "note"]
 
 
 def attention_decode_rows(backends: list[str], batches: list[int], heads: int, cache_lens: list[int],
-                          d_heads: list[int], dtype: torch.dtype, device: torch.device) -> list[dict]:
+                          d_heads: list[int], dtype: torch.dtype, device: torch.device, kv_heads: Optional[int] = None,
+                          window: Optional[int] = None) -> list[dict]:
     """bench_attention.py --decode: one row per (backend, batch, cache length, d_head): the decode call's time, the
-    GB/s it reads K and V at, and that over the copy bandwidth; a backend that cannot run a point says why."""
+    GB/s it reads K and V at, and that over the copy bandwidth; a backend that cannot run a point says why.
+    kv_heads: the cache's heads (GQA); window: each query reads only the last `window` positions."""
     from attention import why_not_decode
     from benchmarking.oom import call_catching_oom, free_memory
 
@@ -188,19 +195,20 @@ def attention_decode_rows(backends: list[str], batches: list[int], heads: int, c
             for d in d_heads:
                 # Expanded scalars: the shapes, dtype and device the checks look at, without the memory.
                 zero = torch.zeros((), dtype=dtype, device=device)
-                q, k = zero.expand(batch, heads, 1, d), zero.expand(batch, heads, cache_len, d)
+                q, k = zero.expand(batch, heads, 1, d), zero.expand(batch, kv_heads or heads, cache_len, d)
                 for name in backends:
-                    row = {"backend": name, "batch": batch, "heads": heads, "cache_len": cache_len, "d_head": d,
+                    row = {"backend": name, "batch": batch, "heads": heads, "kv_heads": kv_heads or heads,
+                           "cache_len": cache_len, "window": window, "d_head": d,
                            "dtype": str(dtype).removeprefix("torch."), "status": "ok", "ms": None, "gbs": None,
                            "copy_fraction": None, "note": None}
-                    reason = why_not_decode(name, q, k, k, cache_len)
+                    reason = why_not_decode(name, q, k, k, cache_len, window=window)
                     if reason is not None:
                         row.update(status="unsupported", note=reason)
                         rows.append(row)
                         continue
                     try:
-                        outcome = call_catching_oom(lambda: time_attention_decode(name, batch, heads, cache_len, d,
-                                                                                  dtype, device), label=name)
+                        outcome = call_catching_oom(lambda: time_attention_decode(
+                            name, batch, heads, cache_len, d, dtype, device, kv_heads, window), label=name)
                     except Exception as e:  # noqa: BLE001 - one failing backend must not end the sweep
                         row.update(status="error", note=f"{type(e).__name__}: {e}".splitlines()[0][:200])
                     else:

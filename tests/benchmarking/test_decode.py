@@ -74,3 +74,18 @@ def test_bench_attention_decode_points(tmp_path):
     assert len(rows) == 6 and (tmp_path / "decode.md").exists() and (tmp_path / "decode.csv").exists()
     assert rows[("sdpa", 2)]["status"] == "ok" and rows[("sdpa", 2)]["gbs"] > 0
     assert rows[("sdpa-flash", 1)]["status"] == "unsupported"
+
+
+def test_bench_attention_decode_points_with_gqa_and_a_window(tmp_path):
+    import bench_attention
+
+    result = bench_attention.main(["--decode", "1", "--seq-lens", "64", "--heads", "4", "--kv-heads", "1",
+                                   "--window", "16", "--d-heads", "16", "--dtype", "fp32", "--device", "cpu",
+                                   "--backends", "naive,sdpa,flex", "--iters", "2", "--warmup", "1", "--out",
+                                   str(tmp_path)])
+    rows = {r["backend"]: r for r in result.rows}
+    assert rows["naive"]["status"] == rows["sdpa"]["status"] == "ok"
+    assert (rows["sdpa"]["kv_heads"], rows["sdpa"]["window"]) == (1, 16)
+    # The bytes counted are the window's of the one cache head: 2 x 16 positions x 16 dims x 4 bytes.
+    assert rows["sdpa"]["gbs"] == pytest.approx(2 * 16 * 16 * 4 / (rows["sdpa"]["ms"] * 1e-3) / 1e9)
+    assert rows["flex"]["status"] == "unsupported"
