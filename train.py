@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prepared data: each row starts where a document (or a context-length piece of a long one) "
                         "starts and runs on through the next ones, each led by its end-of-document token; attention "
                         "stays within each document and RoPE positions restart at each (the backend must run "
-                        "doc_ids: naive, sdpa, flex, flash, flash-torch)")
+                        "doc_ids: naive, compiled, sdpa, flex, flash, flash-torch)")
     r.add_argument("--eval-every", type=int, default=200,
                    help="validation loss (and bits per byte) every N steps (0: only at the end)")
     r.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation")
@@ -208,7 +208,9 @@ def check_backend(args: argparse.Namespace, device: torch.device) -> None:
     """The attention backend must run the model's attention on this device: checked before the data is read, the
     model built or --out touched."""
     cfg = model_config(args, args.vocab_size or 256)
-    problem = backend_problem(args.attn, device, DTYPES[args.dtype], cfg.d_head)
+    problem = backend_problem(args.attn, device, DTYPES[args.dtype], cfg.d_head,
+                              kv_groups=cfg.n_heads // cfg.kv_heads, window=cfg.window, softcap=cfg.attn_softcap,
+                              documents=args.pack_documents)
     if problem:
         raise TrainingError(problem)
 

@@ -2,7 +2,8 @@
 
 Variants: GQA through enable_gqa; windows and documents as a mask_mod (its block mask skips the blocks no query
 sees); softcap as a score_mod. Block masks without documents are cached per (causal, window, lengths, device);
-with documents, the last one is kept for as long as the same doc_ids tensor comes back (every layer of a step).
+with documents, those of the last doc_ids tensor are kept (one per causal and window) for as long as it comes back
+(every layer of a step, local and global).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _window_block_mask(causal: bool, window: int, n_q: int, n_k: int, device: st
     return create_block_mask(_mask_mod(causal, window, None), None, None, n_q, n_k, device=device)
 
 
-_doc_mask_cache: dict = {}
+# The block masks of the last doc_ids tensor seen, one per (causal, window, lead, n): the layers of a step share them,
+# local and global alike. The tensor itself is kept, so that its memory cannot pass to another tensor meanwhile.
+_doc_masks: dict = {"key": None, "ids": None, "masks": {}}
 
 
 def _doc_block_mask(causal: bool, window: Optional[int], doc_ids: torch.Tensor, lead: tuple[int, ...], n: int):
@@ -84,12 +87,14 @@ def _doc_block_mask(causal: bool, window: Optional[int], doc_ids: torch.Tensor, 
     batch = ids.shape[0]
     if torch.compiler.is_compiling():
         return create_block_mask(_mask_mod(causal, window, ids), batch, None, n, n, device=ids.device)
-    key = (doc_ids.data_ptr(), doc_ids._version, tuple(doc_ids.shape), doc_ids.stride(), causal, window, lead, n)
-    if key not in _doc_mask_cache:
-        _doc_mask_cache.clear()  # one entry: the doc_ids of the step in progress
-        _doc_mask_cache[key] = create_block_mask(_mask_mod(causal, window, ids), batch, None, n, n,
-                                                 device=ids.device)
-    return _doc_mask_cache[key]
+    key = (doc_ids.data_ptr(), doc_ids._version, tuple(doc_ids.shape), doc_ids.stride())
+    if _doc_masks["key"] != key:
+        _doc_masks.update(key=key, ids=doc_ids, masks={})
+    masks = _doc_masks["masks"]
+    if (causal, window, lead, n) not in masks:
+        masks[causal, window, lead, n] = create_block_mask(_mask_mod(causal, window, ids), batch, None, n, n,
+                                                           device=ids.device)
+    return masks[causal, window, lead, n]
 
 
 @functools.lru_cache(maxsize=8)

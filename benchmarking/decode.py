@@ -39,9 +39,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def cache_bytes_read(cfg: ModelConfig, batch: int, cache_len: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for `cache_len` positions of `batch` sequences (the key/value heads only, with GQA)."""
+    """K and V of every layer for `cache_len` positions of `batch` sequences: the key/value heads only (GQA), and a
+    local layer's window only."""
+    positions = sum(min(cache_len, cfg.layer_window(i) or cache_len) for i in range(cfg.n_layers))
     width = cfg.kv_heads * cfg.d_head
-    return 2 * cfg.n_layers * batch * cache_len * width * torch.empty((), dtype=dtype).element_size()
+    return 2 * positions * batch * width * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ def time_attention_decode(name: str, batch: int, heads: int, cache_len: int, d_h
                           window: Optional[int] = None) -> tuple[float, float]:
     """(ms, bytes/s reading K and V) of one query per sequence and head against a full cache of `cache_len` with
     `kv_heads` heads (GQA; default `heads`), through the registry's decode path of backend `name`. With a window,
-    only its last `window` positions are read, and counted."""
+    only its last `window` positions are counted (what a backend that skips the rest reads: flash; the masking ones,
+    naive and sdpa, read the whole cache)."""
     from attention import get_attention
 
     gen = torch.Generator(device).manual_seed(0)

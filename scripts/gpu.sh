@@ -23,8 +23,8 @@
 #   train-variants  train.py, small, eager, bf16, flash, 300 steps on the built-in corpus as BPE (prepare_data.py):
 #                the plain model, the same with --pack-documents, and with GQA (4 kv heads), windows of 256 (LLLG),
 #                documents and a softcap of 50: losses and step times side by side
-#   fp8          float8 training against bf16 in the same run (torchao; ./.wheels needs its wheel:
-#                ../shared/gpu/fetch-wheels.sh .wheels torchao):
+#   fp8          float8 training against bf16 in the same run (torchao: on a machine without network access, put
+#                its wheel in ./.wheels):
 #                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), compiled + CUDA graph,
 #                         --fp8 off,tensorwise,rowwise
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8

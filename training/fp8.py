@@ -4,7 +4,8 @@ row on the fly), under bf16 autocast, best compiled.
 
 What changes: each block's q/k/v, output and SwiGLU projections become torchao `Float8Linear`s that share the
 original weight Parameters, so the optimizer, checkpoints (the same state-dict keys) and sampling are unchanged. The
-embedding and the LM head stay in bf16: the logits' precision matters most and the head is one matmul of many.
+embedding (an fp32 lookup) and the LM head (a bf16 matmul under autocast) are not converted: the logits' precision
+matters most and the head is one matmul of many.
 Layers whose dimensions are not multiples of 16 (float8 matmuls need them) are left as they are. On the CPU, which
 has no float8 matmul, torchao emulates it (the same scaling and casts, matmuls in higher precision): what the
 tests check the numerics with.
@@ -21,10 +22,6 @@ from torch import nn
 from model.layers import Linear
 
 RECIPES = ("off", "tensorwise", "rowwise")
-
-
-class FP8Error(ValueError):
-    """--fp8 cannot run here; the message says why."""
 
 
 def problem(recipe: str, device: torch.device, precision: str, parallel: str) -> Optional[str]:

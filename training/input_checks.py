@@ -63,15 +63,20 @@ def flag_warnings(args: argparse.Namespace, given: set[str]) -> list[str]:
 
 
 def backend_problem(attn: str, device: torch.device | str, dtype: torch.dtype, d_head: int,
-                    training: bool = True) -> Optional[str]:
-    """Why backend `attn` cannot run the model's attention (d_head, dtype, device, with a backward when training)
-    here, naming the backends that can; None if it can. Cheap: a few tiny tensors, no model."""
+                    training: bool = True, kv_groups: int = 1, window: Optional[int] = None,
+                    softcap: Optional[float] = None, documents: bool = False) -> Optional[str]:
+    """Why backend `attn` cannot run the model's attention (d_head, dtype, device, with a backward when training, and
+    its variants: query heads per key/value head, a window, softcap, packed documents) here, naming the backends
+    that can; None if it can. Cheap: a few tiny tensors, no model."""
     device = torch.device(device)
+    doc_ids = torch.zeros(1, 128, dtype=torch.int32, device=device) if documents else None
 
     def reason(name: str) -> Optional[str]:
         with torch.enable_grad() if training else torch.no_grad():
-            q = torch.zeros(1, 1, 16, d_head, device=device, dtype=dtype, requires_grad=training)
-            return why_not(name, q, q, q, True)
+            # 128 positions: a length every backend's tiles take whole (flex's GQA needs it on CUDA)
+            q = torch.zeros(1, kv_groups, 128, d_head, device=device, dtype=dtype, requires_grad=training)
+            k = torch.zeros(1, 1, 128, d_head, device=device, dtype=dtype, requires_grad=training)
+            return why_not(name, q, k, k, True, window=window, softcap=softcap, doc_ids=doc_ids)
 
     problem = reason(attn)
     if problem is None:

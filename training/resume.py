@@ -20,7 +20,7 @@ from training import checkpoint, checkpoint_files, distributed, sharded_checkpoi
 from training.distributed import DistContext
 
 # Flags that change how a step runs, not the weights or the optimizer state: a resume may change them.
-RUNTIME_FLAGS = ("attn", "compile", "compile_scope", "cuda_graph", "activation_checkpointing", "fp8",
+RUNTIME_FLAGS = ("attn", "dtype", "compile", "compile_scope", "cuda_graph", "activation_checkpointing", "fp8",
                  "grad_accum_steps")
 
 

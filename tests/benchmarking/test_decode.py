@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,3 +91,10 @@ def test_bench_attention_decode_points_with_gqa_and_a_window(tmp_path):
     # The bytes counted are the window's of the one cache head: 2 x 16 positions x 16 dims x 4 bytes.
     assert rows["sdpa"]["gbs"] == pytest.approx(2 * 16 * 16 * 4 / (rows["sdpa"]["ms"] * 1e-3) / 1e9)
     assert rows["flex"]["status"] == "unsupported"
+
+
+def test_cache_bytes_count_the_key_value_heads_and_the_windows():
+    cfg = dataclasses.replace(CFG, n_kv_heads=2, window=4, window_pattern="LG")
+    d_head = cfg.d_model // cfg.n_heads
+    # The local layer reads its last 4 positions, the global one all 16; each of 2 heads.
+    assert cache_bytes_read(cfg, 3, 16, torch.bfloat16) == 2 * (4 + 16) * 3 * 2 * d_head * 2

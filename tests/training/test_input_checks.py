@@ -57,6 +57,16 @@ def test_backends_are_checked_against_the_device_without_a_model(monkeypatch, gp
         assert backend_problem("flex", "cpu", torch.float32, d_head=16, training=False) is None
 
 
+def test_the_models_attention_variants_are_checked_too():
+    message = backend_problem("sdpa", "cpu", torch.float32, d_head=16, kv_groups=2, window=8, softcap=50.0)
+    assert message.startswith("--attn sdpa cannot run on cpu with float32 for training: it does not support logit "
+                              "soft-capping")
+    assert "backends that can: naive, compiled" in message and ", sdpa" not in message.split("can:")[1]
+    assert backend_problem("sdpa", "cpu", torch.float32, d_head=16, kv_groups=2, window=8, documents=True) is None
+    pinned = backend_problem("sdpa-flash", "cpu", torch.float32, d_head=16, documents=True)
+    assert pinned is not None and "backends that can: naive, compiled, sdpa" in pinned
+
+
 @pytest.mark.parametrize("data, problem", [
     ("héllo wörld\n".encode(), None),
     (b"", "is empty"),
