@@ -61,9 +61,9 @@ def load_checkpoint(run: Path) -> tuple[Path, dict]:
     if not run.is_file():
         raise EvaluationError(f"no checkpoint at {run}")
     try:
-        return run, checkpoint_files.load_file(run)
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise EvaluationError(f"checkpoint {run} does not load: {str(e).splitlines()[0] if str(e) else e!r}")
+        return run, checkpoint_files.load_named(run)
+    except checkpoint_files.CheckpointError as e:
+        raise EvaluationError(str(e)) from None
 
 
 def run_evaluation(args: argparse.Namespace) -> tuple[Evaluation, dict]:

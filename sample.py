@@ -70,9 +70,9 @@ def load_state(out: Path, ckpt: Optional[Path], warn: Callable[[str], None]) -> 
         if not ckpt.is_file():
             raise SampleError(f"no checkpoint file {ckpt}")
         try:
-            return ckpt, checkpoint_files.load_file(ckpt)
-        except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-            raise SampleError(f"checkpoint {ckpt} does not load: {str(e).splitlines()[0] if str(e) else e!r}")
+            return ckpt, checkpoint_files.load_named(ckpt)
+        except checkpoint_files.CheckpointError as e:
+            raise SampleError(str(e)) from None
     if not out.is_dir():
         raise SampleError(f"no run at {out} (train one with `python train.py --out {out}`, or pass --ckpt FILE)")
     if not checkpoint_files.candidates(out):

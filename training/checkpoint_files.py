@@ -98,6 +98,15 @@ def load_file(path: Path) -> dict[str, Any]:
     return state
 
 
+def load_named(path: Path) -> dict[str, Any]:
+    """load_file, any failure turned into a one-line CheckpointError that names the file (a checkpoint given by
+    name: there is no older one to fall back to)."""
+    try:
+        return load_file(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise CheckpointError(f"checkpoint {path} does not load: {_reason(e, path)}") from None
+
+
 def load_newest(out: Path, warn: Callable[[str], None] = _stderr,
                 load: Callable[[Path], dict[str, Any]] = load_file) -> tuple[Path, dict[str, Any]]:
     """(path, state) of the newest checkpoint in `out` that loads; a one-line warning for each newer one that does

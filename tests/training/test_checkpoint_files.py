@@ -88,3 +88,13 @@ def test_no_checkpoint_or_none_that_loads_is_one_line(tmp_path):
     assert str(e.value) == (f"no checkpoint in {tmp_path} loads: checkpoint-2.pt (the file is empty); "
                             "checkpoint.pt (ValueError: not a checkpoint of this trainer (no step))")
     assert len(warnings) == 1  # the last one is named in the error, not warned about first
+
+
+def test_a_checkpoint_given_by_name_that_does_not_load_is_one_line(tmp_path):
+    empty, junk = tmp_path / "empty.pt", tmp_path / "junk.pt"
+    empty.write_bytes(b"")
+    junk.write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match=f"^checkpoint {empty} does not load: the file is empty$"):
+        ckpt.load_named(empty)
+    with pytest.raises(ckpt.CheckpointError, match=f"^checkpoint {junk} does not load: UnpicklingError"):
+        ckpt.load_named(junk)
