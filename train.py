@@ -57,13 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--size", default="small", help=f"size preset: {', '.join(PRESETS)}")
     cli.add_model_shape_flags(m, "override the preset's")
     m.add_argument("--vocab-size", type=int, help="vocabulary; default 256 for byte-level text, else 10000")
-    m.add_argument("--context-length", type=int, default=512, help="tokens per training sequence")
+    m.add_argument("--context-length", type=int, default=1024, help="tokens per training sequence")
     m.add_argument("--attn", default="sdpa", help="attention backend from the registry (see README)")
     cli.add_attention_variant_flags(m)
     cli.add_weight_grads_flag(m)
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
-    o.add_argument("--steps", type=int, default=2000, help="optimizer steps in total")
+    o.add_argument("--steps", type=int, default=1000, help="optimizer steps in total")
     o.add_argument("--grad-accum-steps", type=int, default=1,
                    help="split each step's batch into this many micro-batches, run one after another with their "
                         "gradients summed: the same update with the activation memory of one micro-batch (it must "
