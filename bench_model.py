@@ -246,8 +246,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     device = cli.check_device(p, args.device, args.parallel)
     for recipe in args.fp8:
         for dtype in args.dtype:
-            if (reason := fp8.problem(recipe, device, dtype, args.parallel)) is not None:
-                p.error(reason)
+            for cfg in args.configs.values():  # only a custom --d-model can miss fp8's multiple of 16
+                if (reason := fp8.problem(recipe, device, dtype, args.parallel, cfg.d_model)) is not None:
+                    p.error(reason)
     # The step itself: ours through training.step, never clipped (grad_clip None), as --overlap-optimizer needs.
     cli.check_step_flags(p, device, args.parallel, args.dtype, args.cuda_graph != "off",
                          args.overlap_optimizer != "off")

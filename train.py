@@ -150,8 +150,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     args.dtype, args.compile, args.cuda_graph = speed.dtype, speed.compile, speed.cuda_graph
     cli.check_step_flags(p, device, args.parallel, [args.dtype], args.cuda_graph, args.overlap_optimizer,
                          grad_clip=args.grad_clip)
-    problem = fp8.problem(args.fp8, device, args.dtype, args.parallel) or flag_problem(args)  # negative or contradictory
-    if problem:
+    if args.window is None and args.window_pattern != "L":
+        p.error(f"--window-pattern {args.window_pattern} needs --window (the local layers' window)")
+    try:
+        cfg = model_config(args, args.vocab_size or 256)
+    except TrainingError as e:
+        p.error(cli.config_error_as_flags(str(e)))
+    problem = fp8.problem(args.fp8, device, args.dtype, args.parallel, cfg.d_model) or flag_problem(args)
+    if problem:  # negative or contradictory
         p.error(problem)
     return speed.line
 
@@ -204,15 +210,19 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def check_backend(args: argparse.Namespace, device: torch.device) -> None:
-    """The attention backend must run the model's attention on this device: checked before the data is read, the
-    model built or --out touched."""
+def check_run(args: argparse.Namespace, ctx: DistContext) -> None:
+    """What must hold before the data is read, the model built or --out touched: the attention backend runs the
+    model's attention on this device, and the micro-batches divide each rank's share of the batch."""
     cfg = model_config(args, args.vocab_size or 256)
-    problem = backend_problem(args.attn, device, DTYPES[args.dtype], cfg.d_head,
+    problem = backend_problem(args.attn, ctx.device, DTYPES[args.dtype], cfg.d_head,
                               kv_groups=cfg.n_heads // cfg.kv_heads, window=cfg.window, softcap=cfg.attn_softcap,
                               documents=args.pack_documents)
     if problem:
         raise TrainingError(problem)
+    if (args.batch_size // ctx.world_size) % args.grad_accum_steps:
+        raise TrainingError(f"--grad-accum-steps {args.grad_accum_steps} must divide the sequences per rank and step "
+                            f"(--batch-size {args.batch_size} over {ctx.world_size} rank"
+                            f"{'s' * (ctx.world_size > 1)}: {args.batch_size // ctx.world_size})")
 
 
 @contextlib.contextmanager
@@ -283,10 +293,6 @@ def train(args: argparse.Namespace, ctx: Optional[DistContext] = None) -> dict:
 
     n_params, n_non_embed = model.num_params(), model.num_params(non_embedding=True)
     tokens_per_step = args.batch_size * args.context_length  # global: all ranks together
-    if (args.batch_size // ctx.world_size) % args.grad_accum_steps:
-        raise TrainingError(f"--grad-accum-steps {args.grad_accum_steps} must divide the sequences per rank and step "
-                            f"(--batch-size {args.batch_size} over {ctx.world_size} rank"
-                            f"{'s' * (ctx.world_size > 1)}: {args.batch_size // ctx.world_size})")
     ranks = f", {args.parallel} over {ctx.world_size} rank{'s' * (ctx.world_size > 1)}" if ctx.is_distributed else ""
     say(f"model: {n_params / 1e6:.1f}M parameters ({n_non_embed / 1e6:.1f}M non-embedding), "
         f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads{variants_of(cfg)}, "
@@ -430,7 +436,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     who = distributed.error_prefix(args.parallel)  # '[rank r] ' when several processes print
     try:
         with distributed.process_group(args.parallel, args.device, args.batch_size, args.dist_timeout) as ctx:
-            check_backend(args, ctx.device)
+            check_run(args, ctx)
             with owning(Path(args.out), args, ctx):
                 result = train(args, ctx)
     except StoppedAtOnce as e:

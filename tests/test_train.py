@@ -102,7 +102,12 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
     "argv, code, message",
     [
         (["--data", "/no/such/file.txt"], 1, "--data path does not exist: /no/such/file.txt"),
-        (["--d-model", "30", "--n-heads", "4"], 1, r"d_model \(30\) must be divisible by n_heads \(4\)"),
+        (["--d-model", "30", "--n-heads", "4"], 2, r"--d-model \(30\) must be divisible by --n-heads \(4\)"),
+        (["--n-kv-heads", "3"], 2, r"--n-kv-heads must divide --n-heads \(2\), got 3"),
+        (["--window-pattern", "LLLG"], 2, "--window-pattern LLLG needs --window"),
+        (["--window", "0"], 2, "--window must be >= 1, got 0"),
+        (["--d-model", "40", "--dtype", "bf16", "--fp8", "rowwise"], 2,
+         "--fp8 rowwise needs a --d-model that is a multiple of 16"),
         (["--attn", "fast"], 2, "unknown --attn 'fast'; valid: naive"),
         (["--size", "huge"], 2, "unknown --size 'huge'; valid: tiny, small"),
         (["--steps", "0"], 2, "--steps must be >= 1"),
@@ -129,6 +134,16 @@ def test_bad_input_stops_with_a_message(tmp_path, text_file, capsys, argv, code,
     import re
 
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_batch_the_micro_batches_do_not_divide_leaves_the_earlier_run_in_place(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    base = [*TINY, "--out", str(out), "--wandb", "disabled", "--steps", "1", "--data", str(text_file)]
+    assert train.main(base) == 0
+    before = sorted(p.name for p in out.iterdir())
+    assert train.main(base + ["--overwrite", "--grad-accum-steps", "3"]) == 1
+    assert "--grad-accum-steps 3 must divide" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before and not list(tmp_path.glob("run.old-*"))
 
 
 def test_corpus_shorter_than_a_window(tmp_path, capsys):

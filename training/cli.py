@@ -7,6 +7,7 @@ bench_model.py's the per-GPU batch of a timing), but a flag both accept is spell
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Optional
 
 import torch
@@ -68,6 +69,18 @@ def add_parallel_flags(group: argparse._ArgumentGroup, parallel_help: str, timeo
                        timeout_help: str) -> None:
     group.add_argument("--parallel", choices=distributed.PARALLEL_MODES, default="none", help=parallel_help)
     group.add_argument("--dist-timeout", type=float, default=timeout_s, help=timeout_help)
+
+
+# ModelConfig's fields that train.py sets from flags of the same name.
+_CONFIG_FLAGS = ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length", "n_kv_heads",
+                 "window_pattern", "window", "attn_softcap")
+
+
+def config_error_as_flags(message: str) -> str:
+    """ModelConfig's error with its field names spelled as the flags that set them ("n_kv_heads must divide n_heads"
+    -> "--n-kv-heads must divide --n-heads")."""
+    fields = "|".join(sorted(_CONFIG_FLAGS, key=len, reverse=True))
+    return re.sub(rf"\b({fields})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def check_at_least(p: argparse.ArgumentParser, args: argparse.Namespace, least: int, *names: str) -> None:

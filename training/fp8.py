@@ -24,10 +24,12 @@ from model.layers import Linear
 RECIPES = ("off", "tensorwise", "rowwise")
 
 
-def problem(recipe: str, device: torch.device, precision: str, parallel: str) -> Optional[str]:
+def problem(recipe: str, device: torch.device, precision: str, parallel: str, d_model: int) -> Optional[str]:
     """Why `--fp8 recipe` cannot train here, or None."""
     if recipe == "off":
         return None
+    if d_model % 16:  # every Linear of a block reads or writes d_model: none would convert
+        return f"--fp8 {recipe} needs a --d-model that is a multiple of 16 (float8 matmuls), got {d_model}"
     if precision != "bf16":
         return f"--fp8 {recipe} trains under bf16 autocast: add --dtype bf16 (got {precision})"
     if parallel == "fsdp":

@@ -56,6 +56,13 @@ def flag_warnings(args: argparse.Namespace, given: set[str]) -> list[str]:
     if "warmup_steps" in given and args.warmup_steps >= args.steps > 0:
         warnings.append(f"warning: --warmup-steps {args.warmup_steps} is not shorter than the run (--steps "
                         f"{args.steps}): the learning rate never reaches --lr {args.lr:g}")
+    window = getattr(args, "window", None)
+    if window is not None and "L" not in args.window_pattern:
+        warnings.append(f"warning: --window-pattern {args.window_pattern} has no local layer (L): --window {window} "
+                        "changes no layer")
+    elif window is not None and window >= args.context_length:
+        warnings.append(f"warning: --window {window} is not shorter than --context-length {args.context_length}: the "
+                        "local layers see their whole context, as without a window")
     return warnings
 
 

@@ -96,9 +96,11 @@ def load_checkpoint(out: Path, model: torch.nn.Module, optimizer, scaler: torch.
     """Restore model, optimizer, scaler and RNG from the newest checkpoint in `out` that loads."""
     path, state = _read(out, ctx, warn)
     asked = cfg.to_dict()
-    # A checkpoint from before a field existed lacks it; fp32_weight_grads changes how dW is computed and attn which
-    # kernel computes attention, neither what the model is.
-    saved = {**asked, **state["model_config"], "fp32_weight_grads": cfg.fp32_weight_grads, "attn": cfg.attn}
+    # A checkpoint from before a field existed lacks it: it was written by a model with that field's default (not
+    # with what is asked now, which may be a window the old model never had). fp32_weight_grads changes how dW is
+    # computed and attn which kernel computes attention, neither what the model is.
+    saved = {**ModelConfig().to_dict(), **state["model_config"], "fp32_weight_grads": cfg.fp32_weight_grads,
+             "attn": cfg.attn}
     if saved != asked:
         diff = {k: (v, asked.get(k)) for k, v in saved.items() if asked.get(k) != v}
         raise ResumeError(f"checkpoint {path} was written for another model: (saved, asked) {diff}")
@@ -107,6 +109,7 @@ def load_checkpoint(out: Path, model: torch.nn.Module, optimizer, scaler: torch.
     else:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
+    if state["scaler"]:  # empty when written without fp16: a run resumed with --dtype fp16 starts its scaler anew
+        scaler.load_state_dict(state["scaler"])
     checkpoint.set_rng_state(state["rng"])
     return Resumed(state["step"], path, flag_changes(state.get("args", {}), args))

@@ -68,13 +68,15 @@ def test_build_step_converts_before_the_optimizer_and_trains():
     assert losses[-1] < losses[0] - 0.5  # the same batch fifteen times: it learns it
 
 
-@pytest.mark.parametrize("recipe, precision, parallel, message", [
-    ("tensorwise", "fp32", "none", "--fp8 tensorwise trains under bf16 autocast: add --dtype bf16 (got fp32)"),
-    ("rowwise", "bf16", "fsdp", "--fp8 with --parallel fsdp is not supported"),
+@pytest.mark.parametrize("recipe, precision, parallel, d_model, message", [
+    ("tensorwise", "fp32", "none", 64, "--fp8 tensorwise trains under bf16 autocast: add --dtype bf16 (got fp32)"),
+    ("rowwise", "bf16", "fsdp", 64, "--fp8 with --parallel fsdp is not supported"),
+    ("rowwise", "bf16", "none", 200, "--fp8 rowwise needs a --d-model that is a multiple of 16 (float8 matmuls), "
+                                     "got 200"),
 ])
-def test_what_cannot_run_is_named(recipe, precision, parallel, message):
-    assert message in fp8.problem(recipe, CPU, precision, parallel)
-    assert fp8.problem("off", CPU, precision, parallel) is None
+def test_what_cannot_run_is_named(recipe, precision, parallel, d_model, message):
+    assert message in fp8.problem(recipe, CPU, precision, parallel, d_model)
+    assert fp8.problem("off", CPU, precision, parallel, d_model) is None
 
 
 def test_train_py_refuses_fp8_without_bf16(capsys):

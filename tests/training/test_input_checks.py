@@ -37,6 +37,16 @@ def test_good_flags_and_a_warm_up_longer_than_the_run():
         "--lr 0.0006"]
 
 
+def test_a_window_that_changes_no_layer_is_said():
+    window = dict(window=64, window_pattern="LLLG", context_length=128)
+    assert flag_warnings(flags(**window), set()) == []
+    assert flag_warnings(flags(**{**window, "window_pattern": "G"}), set()) == [
+        "warning: --window-pattern G has no local layer (L): --window 64 changes no layer"]
+    assert flag_warnings(flags(**{**window, "window": 128}), set()) == [
+        "warning: --window 128 is not shorter than --context-length 128: the local layers see their whole context, "
+        "as without a window"]
+
+
 # Why SDPA pinned to its flash kernel cannot take CPU tensors: without a GPU, the machine lacks one; with one, the
 # tensors are on the wrong device.
 SDPA_FLASH_ON_CPU = {False: "needs a CUDA GPU", True: "needs CUDA tensors, got cpu"}
