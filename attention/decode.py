@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from attention.registry import register_decode
-from attention.sdpa import HAS_GQA
 
 try:
     from torch.nn.attention.flex_attention import flex_attention
@@ -89,14 +88,8 @@ def decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=scale).reshape(q.shape)
 
 
-def _sdpa_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:
-    if k_cache.shape[-3] != q.shape[-3] and q.dim() == 4 and not HAS_GQA:
-        return f"SDPA runs grouped-query attention from torch 2.5 (enable_gqa), this is {torch.__version__}"
-    return None
-
-
 register_decode("naive", variants=("gqa", "window", "softcap"))(decode_naive)
-register_decode("sdpa", input_check=_sdpa_decode_problem, variants=("gqa", "window"))(decode_sdpa)
+register_decode("sdpa", variants=("gqa", "window"))(decode_sdpa)
 
 
 def _flex_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:

@@ -3,7 +3,8 @@
 Variants: GQA through enable_gqa; windows and documents as a mask_mod (its block mask skips the blocks no query
 sees); softcap as a score_mod. Block masks without documents are cached per (causal, window, lengths, device);
 with documents, those of the last doc_ids tensor are kept (one per causal and window) for as long as it comes back
-(every layer of a step, local and global).
+(every layer of an eager step, local and global). Inside compiled code each call builds its document mask again:
+the cache's keys are a tensor's address and version, which the compiler cannot guard on.
 """
 
 from __future__ import annotations

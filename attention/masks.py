@@ -6,6 +6,7 @@ build these: flash skips tiles from per-position document bounds, flex evaluates
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -31,10 +32,12 @@ def visible_mask(n_q: int, n_k: int, causal: bool, window: Optional[int], doc_id
     return mask
 
 
-def mask_elements(n_q: int, n_k: int, doc_ids: Optional[torch.Tensor]) -> int:
-    """How many elements visible_mask would hold: what materialising it costs, in bytes as bool."""
-    batch = 1 if doc_ids is None else doc_ids[..., 0].numel()
-    return batch * n_q * n_k
+def mask_elements(n_q: int, n_k: int, doc_ids: Optional[torch.Tensor], lead: tuple[int, ...] = ()) -> int:
+    """How many elements the mask of a call holds once materialised (its size in bytes, as bool): visible_mask's,
+    with documents one (n_q, n_k) mask per sequence of q's leading dims `lead` (doc_ids broadcast to them)."""
+    if doc_ids is None:
+        return n_q * n_k
+    return math.prod(torch.broadcast_shapes(tuple(doc_ids.shape[:-1]), lead)) * n_q * n_k
 
 
 def doc_bounds(doc_ids: torch.Tensor, lead: tuple[int, ...], n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -93,7 +94,7 @@ def kv_groups(q: torch.Tensor, k: torch.Tensor) -> int:
 @dataclass(frozen=True)
 class Backend:
     name: str
-    fn: Callable[..., torch.Tensor]  # fn(q, k, v, causal, scale) on validated inputs
+    fn: Callable[..., torch.Tensor]  # fn(q, k, v, causal, scale, **variant.kwargs()) on validated inputs
     description: str
     environment_check: EnvironmentCheck = field(default=lambda: None)
     input_check: InputCheck = field(default=lambda q, k, v, causal: None)
@@ -207,15 +208,16 @@ def validate_variant(q: torch.Tensor, k: torch.Tensor, causal: bool, window: Opt
         return PLAIN
     n_q, n_k = q.shape[-2], k.shape[-2]
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise UnsupportedInputError(f"window must be an int >= 1, got {window!r}")
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
+            raise UnsupportedInputError(f"window must be an integer >= 1, got {window!r}")
+        window = int(window)
         # Without causal, query i sees keys i - window < j < i + window: rows past n_k + window - 1 would see none.
         if not causal and n_q > n_k + window - 1:
             raise UnsupportedInputError(
                 f"with window {window}, queries {n_k + window - 1}.. of {n_q} would see no key of {n_k}"
             )
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
                 math.isfinite(softcap) and softcap > 0):
             raise UnsupportedInputError(f"softcap must be a finite number > 0, got {softcap!r}")
         softcap = float(softcap)
@@ -239,7 +241,8 @@ def validate_variant(q: torch.Tensor, k: torch.Tensor, causal: bool, window: Opt
         if doc_ids.device != q.device:
             raise UnsupportedInputError(f"doc_ids must be on q's device {q.device}, got {doc_ids.device}")
         # Checked on the CPU in eager code only: on a GPU it would cost a device sync per call, and compiled code
-        # cannot branch on tensor values. Kernels that skip tiles rely on it.
+        # cannot branch on tensor values. Kernels that skip tiles rely on it: unchecked, ids out of order give flash
+        # wrong results (NaN rows). training/packing.py makes them in order.
         if doc_ids.device.type == "cpu" and n_q > 1 and not torch.compiler.is_compiling() \
                 and bool((doc_ids[..., 1:] < doc_ids[..., :-1]).any()):
             raise UnsupportedInputError("doc_ids must be non-decreasing along the sequence (packed documents)")
@@ -284,8 +287,8 @@ def get_attention(name: str) -> AttentionFn:
         if reason is not None:
             raise UnsupportedInputError(f"attention backend {name!r} cannot decode this input: {reason}")
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        variant = {n: x for n, x in (("window", window), ("softcap", softcap)) if x is not None}
-        return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale, **variant)
+        return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale,
+                                      **Variant(window, softcap).kwargs())
 
     attention.decode = decode
     attention.__name__ = f"attention_{name}"
@@ -372,13 +375,16 @@ def validate_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise UnsupportedInputError(f"{q.shape[-2]} new queries do not fit a cache of {k_cache.shape[-2]} positions")
     if isinstance(cache_len, torch.Tensor):
         lead = q.shape[:-2]
-        if cache_len.is_floating_point() or cache_len.is_complex() or cache_len.dim() > len(lead) \
+        if cache_len.is_floating_point() or cache_len.is_complex() or cache_len.dtype == torch.bool \
+                or cache_len.dim() > len(lead) \
                 or tuple(cache_len.shape) != tuple(lead[:cache_len.dim()]):
             raise UnsupportedInputError(f"cache_len must be an integer tensor shaped like the leading dims of q "
                                         f"{tuple(lead)} (e.g. (batch,)), got {cache_len.dtype} "
                                         f"{tuple(cache_len.shape)}")
         if cache_len.device != q.device:
             raise UnsupportedInputError(f"cache_len must be on q's device {q.device}, got {cache_len.device}")
+    elif isinstance(cache_len, bool) or not isinstance(cache_len, numbers.Integral):
+        raise UnsupportedInputError(f"cache_len must be an integer or an integer tensor, got {cache_len!r}")
     elif not q.shape[-2] <= cache_len <= k_cache.shape[-2]:
         raise UnsupportedInputError(f"cache_len must be in {q.shape[-2]}..{k_cache.shape[-2]} (the new queries "
                                     f"..the cache size), got {cache_len}")

@@ -1,6 +1,6 @@
 """`sdpa` (PyTorch picks the kernel) and pinned SDPA kernels, the peers we benchmark against.
 
-Variants: GQA natively (enable_gqa, torch >= 2.5: K and V are not repeated). Windows and documents only through a
+Variants: GQA natively (enable_gqa: K and V are not repeated). Windows and documents only through a
 materialised boolean mask, O(batch * seq_q * seq_k) memory: refused beyond MAX_MASK_ELEMENTS. No softcap: SDPA takes
 a mask, not a function of the scores. The pinned kernels run GQA only (FlashAttention-2 takes no mask at all).
 """
@@ -18,8 +18,6 @@ from attention.registry import kv_groups, register
 
 # The largest boolean mask sdpa materialises: 2^28 elements (256 MiB), a (16384 x 16384) mask for one sequence.
 MAX_MASK_ELEMENTS = 1 << 28
-# enable_gqa arrived in torch 2.5.
-HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -48,10 +46,8 @@ def _sdpa(q, k, v, causal, scale, window: Optional[int] = None, doc_ids: Optiona
 
 
 def _sdpa_variant_problem(q, k, v, causal, variant) -> Optional[str]:
-    if kv_groups(q, k) > 1 and not HAS_GQA:
-        return f"SDPA runs grouped-query attention from torch 2.5 (enable_gqa), this is {torch.__version__}"
     if variant.window is not None or variant.doc_ids is not None:
-        elements = mask_elements(q.shape[-2], k.shape[-2], variant.doc_ids)
+        elements = mask_elements(q.shape[-2], k.shape[-2], variant.doc_ids, tuple(q.shape[:-3]))
         if elements > MAX_MASK_ELEMENTS:
             return (f"windows and documents need a materialised boolean mask, here {elements / 2**20:.0f} MiB; "
                     f"sdpa refuses more than {MAX_MASK_ELEMENTS // 2**20} MiB (O(seq^2) memory)")
@@ -87,17 +83,10 @@ def _pinned(kernel: SDPBackend):
     return run
 
 
-def _pinned_variant_problem(q, k, v, causal, variant) -> Optional[str]:
-    if not HAS_GQA:
-        return f"SDPA runs grouped-query attention from torch 2.5 (enable_gqa), this is {torch.__version__}"
-    return None
-
-
 # SDPA pinned to one of its CUDA kernels: name, kernel, description, largest head dim it takes.
 for _name, _kernel, _what, _max_d in (
     ("sdpa-flash", SDPBackend.FLASH_ATTENTION, "its FlashAttention-2 CUDA kernel", 256),
     ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, "its cuDNN kernel", 128),
 ):
     register(_name, description=f"SDPA pinned to {_what} (peer)", environment_check=_needs_cuda,
-             input_check=_half_precision_head_dim(_max_d), variants=("gqa",),
-             variant_check=_pinned_variant_problem)(_pinned(_kernel))
+             input_check=_half_precision_head_dim(_max_d), variants=("gqa",))(_pinned(_kernel))

@@ -8,6 +8,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from attention.registry import Variant
+
 # (q, k, v, causal, scale, window, softcap, doc_ids) -> the resolved scale, raising UnsupportedInputError for inputs
 # that cannot run.
 Check = Callable[..., float]
@@ -83,15 +85,17 @@ def attention_function(name: str, doc: str, check: Check, forward: Forward,
     def forward_(ctx, q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None):
         causal = bool(is_causal)
         scale = check(q, k, v, causal, scale, window, softcap, doc_ids)
-        variant = {n: x for n, x in (("window", window), ("softcap", softcap), ("doc_ids", doc_ids)) if x is not None}
+        variant = Variant(window, softcap, doc_ids).kwargs()
         o, lse = forward(q, k, v, causal, scale, **variant)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.variant = causal, scale, variant
+        # doc_ids is saved as a tensor too: autograd then refuses a backward after it was changed in place.
+        ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
         return o
 
     def backward_(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **ctx.variant)
+        q, k, v, o, lse, *doc_ids = ctx.saved_tensors
+        variant = Variant(ctx.window, ctx.softcap, doc_ids[0] if doc_ids else None).kwargs()
+        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **variant)
         return dq, dk, dv, None, None, None, None, None
 
     return type(name, (torch.autograd.Function,),

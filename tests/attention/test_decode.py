@@ -58,6 +58,9 @@ def test_flex_needs_cuda_and_whole_blocks():
     (lambda q, k, v, n: (q, k, v, n.float()), "integer tensor"),
     (lambda q, k, v, n: (q, k, v, torch.tensor([1, 2, 3])), "leading dims"),
     (lambda q, k, v, n: (q, k, v, 0), r"cache_len must be in 1\.\.128"),
+    (lambda q, k, v, n: (q, k, v, n > 0), "integer tensor"),
+    (lambda q, k, v, n: (q, k, v, True), "cache_len must be an integer or an integer tensor, got True"),
+    (lambda q, k, v, n: (q, k, v, 37.5), "cache_len must be an integer or an integer tensor, got 37.5"),
     (lambda q, k, v, n: (q[..., :8], k, v, n), "d_head"),
 ])
 def test_bad_inputs_are_named(bad, message):
@@ -105,7 +108,7 @@ def test_decode_paths_say_which_variants_they_lack():
                                                                                softcap=2.0)
     if DEVICE.type == "cuda":
         assert "does not run sliding windows" in why_not_decode("flex", q, k, v, cache_len, window=4)
-    with pytest.raises(UnsupportedInputError, match="window must be an int >= 1"):
+    with pytest.raises(UnsupportedInputError, match="window must be an integer >= 1"):
         get_attention("naive").decode(q, k, v, cache_len, window=0)
     with pytest.raises(UnsupportedInputError, match="multiple of k's"):
         get_attention("naive").decode(randn(2, 3, 1, 16, seed=1), k, v, cache_len)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,9 +255,9 @@ def _qkv(n=16, h_q=2, h_kv=2):
 
 @pytest.mark.parametrize("shapes, variant, causal, message", [
     ((8, 3, 2), {}, True, r"q's heads \(dim -3\) are a multiple of k's"),
-    ((8, 2, 2), {"window": 0}, True, "window must be an int >= 1, got 0"),
-    ((8, 2, 2), {"window": 2.0}, True, "window must be an int >= 1"),
-    ((8, 2, 2), {"window": True}, True, "window must be an int >= 1"),
+    ((8, 2, 2), {"window": 0}, True, "window must be an integer >= 1, got 0"),
+    ((8, 2, 2), {"window": 2.0}, True, "window must be an integer >= 1"),
+    ((8, 2, 2), {"window": True}, True, "window must be an integer >= 1"),
     ((8, 2, 2), {"softcap": 0.0}, True, "softcap must be a finite number > 0"),
     ((8, 2, 2), {"softcap": float("inf")}, True, "softcap must be a finite number > 0"),
     ((8, 2, 2), {"doc_ids": torch.zeros(8)}, True, "doc_ids must be an integer tensor, got a torch.float32"),
@@ -271,6 +272,32 @@ def test_bad_variants_name_the_problem(shapes, variant, causal, message):
         with pytest.raises(UnsupportedInputError, match=message):
             get_attention(backend)(q, k, v, causal=causal, **variant)
         assert why_not(backend, q, k, v, causal, **variant) is not None
+
+
+@pytest.mark.parametrize("name", ["flash", "flash-torch"])
+def test_doc_ids_changed_between_forward_and_backward_are_refused(name):
+    q, k, v = (t.requires_grad_() for t in _qkv(40, 2, 2))
+    doc_ids = torch.tensor([0] * 20 + [1] * 20)
+    o = get_attention(name)(q, k, v, causal=True, doc_ids=doc_ids)
+    doc_ids.add_(1)  # a loader reusing its buffer for the next batch
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
+
+def test_numpy_numbers_are_numbers():
+    q, k, v = _qkv(17, 4, 2)
+    expected = get_attention("naive")(q, k, v, causal=True, window=4, softcap=2.5)
+    got = get_attention("naive")(q, k, v, causal=True, window=np.int64(4), softcap=np.float32(2.5))
+    torch.testing.assert_close(got, expected)
+
+
+def test_the_sdpa_mask_is_counted_for_every_sequence_it_is_broadcast_to():
+    """doc_ids shared by q's first leading dim still gives one mask per sequence: 2 * 3 of them here."""
+    from attention.masks import mask_elements
+
+    doc_ids = torch.zeros(3, 16, dtype=torch.long)
+    assert mask_elements(16, 16, doc_ids, (2, 3)) == 2 * 3 * 16 * 16
+    assert mask_elements(16, 16, None, (2, 3)) == 16 * 16  # without documents one mask serves all
 
 
 def test_documents_need_self_attention_and_windows_need_a_key_per_query():
