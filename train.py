@@ -193,11 +193,15 @@ def step_config(args: argparse.Namespace) -> StepConfig:
 
 def evaluate(step: TrainingStep, val_tokens, token_bytes: Optional[torch.Tensor], args,
              ctx: DistContext) -> Evaluation:
-    """Validation loss and bits per byte over --eval-batches fixed global batches (each rank scores its slice);
-    evaluate.py scores a checkpoint on the same batches."""
+    """Validation loss and bits per byte over --eval-batches fixed global batches (each rank scores its slice, in
+    the step's micro-batches: what fits in memory for training fits here); evaluate.py scores a checkpoint on the
+    same batches."""
     step.model.eval()
-    result = evaluate_batches(step.loss, sampled_batches(val_tokens, args.batch_size, args.context_length,
-                                                         args.eval_batches, args.seed, ctx), token_bytes, ctx)
+    n = args.grad_accum_steps
+    batches = ((xi, yi) for x, y in sampled_batches(val_tokens, args.batch_size, args.context_length,
+                                                    args.eval_batches, args.seed, ctx)
+               for xi, yi in zip(x.chunk(n), y.chunk(n)))
+    result = evaluate_batches(step.loss, batches, token_bytes, ctx)
     step.model.train()
     return result
 

@@ -146,6 +146,16 @@ def test_a_batch_the_micro_batches_do_not_divide_leaves_the_earlier_run_in_place
     assert sorted(p.name for p in out.iterdir()) == before and not list(tmp_path.glob("run.old-*"))
 
 
+def test_micro_batches_train_and_evaluate_like_the_whole_batch(tmp_path, text_file):
+    flags = ("--steps", "3", "--log-every", "1", "--eval-every", "3", "--grad-clip", "0")
+    whole = run(tmp_path, text_file, *flags, name="whole")[1]
+    micro = run(tmp_path, text_file, *flags, "--grad-accum-steps", "2", name="micro")[1]
+    for a, b in zip(whole, micro, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                     rel=1e-4)
+    assert micro[-1]["val_loss"] == pytest.approx(whole[-1]["val_loss"], abs=1e-5)
+
+
 def test_corpus_shorter_than_a_window(tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("x" * 50)
