@@ -150,8 +150,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     args.dtype, args.compile, args.cuda_graph = speed.dtype, speed.compile, speed.cuda_graph
     cli.check_step_flags(p, device, args.parallel, [args.dtype], args.cuda_graph, args.overlap_optimizer,
                          grad_clip=args.grad_clip)
-    if args.window is None and args.window_pattern != "L":
-        p.error(f"--window-pattern {args.window_pattern} needs --window (the local layers' window)")
     try:
         cfg = model_config(args, args.vocab_size or 256)
     except TrainingError as e:

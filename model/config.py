@@ -42,6 +42,8 @@ class ModelConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
             raise ValueError(f"window_pattern must be letters L (local) and G (global), got {self.window_pattern!r}")
+        if self.window is None and self.window_pattern != "L":
+            raise ValueError(f"window_pattern {self.window_pattern} needs window (the local layers' window)")
         if self.attn_softcap is not None and not self.attn_softcap > 0:
             raise ValueError(f"attn_softcap must be > 0, got {self.attn_softcap}")
 
