@@ -63,8 +63,10 @@ def as_bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Triton launches on the current CUDA device: make it the tensor's."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it the tensor's (when it is another)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
@@ -94,8 +96,11 @@ def attention_function(name: str, doc: str, check: Check, forward: Forward,
 
     def backward_(ctx, do):
         q, k, v, o, lse, *doc_ids = ctx.saved_tensors
-        variant = Variant(ctx.window, ctx.softcap, doc_ids[0] if doc_ids else None).kwargs()
-        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **variant)
+        if ctx.window is None and ctx.softcap is None and not doc_ids:  # the common case, without the variant's cost
+            dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+        else:
+            variant = Variant(ctx.window, ctx.softcap, doc_ids[0] if doc_ids else None).kwargs()
+            dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **variant)
         return dq, dk, dv, None, None, None, None, None
 
     return type(name, (torch.autograd.Function,),

@@ -276,8 +276,8 @@ def test_bad_variants_name_the_problem(shapes, variant, causal, message):
 
 @pytest.mark.parametrize("name", ["flash", "flash-torch"])
 def test_doc_ids_changed_between_forward_and_backward_are_refused(name):
-    q, k, v = (t.requires_grad_() for t in _qkv(40, 2, 2))
-    doc_ids = torch.tensor([0] * 20 + [1] * 20)
+    q, k, v = (t.to(DEVICE).requires_grad_() for t in _qkv(40, 2, 2))
+    doc_ids = torch.tensor([0] * 20 + [1] * 20, device=DEVICE)
     o = get_attention(name)(q, k, v, causal=True, doc_ids=doc_ids)
     doc_ids.add_(1)  # a loader reusing its buffer for the next batch
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
