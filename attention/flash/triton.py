@@ -74,9 +74,14 @@ _FALLBACK_SMEM_BYTES = 227 * 1024  # Hopper's per-block opt-in limit, if the dev
 _MAX_ACC_REGS_PER_THREAD = 128  # fp32 accumulator registers per thread before spills become likely
 
 
+# Plain integer arithmetic: triton.next_power_of_2 and triton.cdiv are constexpr_functions in newer triton, 2-9 us
+# a call, and these run on every launch.
 def _block_d(d_head: int) -> int:
-    # Plain integer arithmetic: triton.next_power_of_2 is a constexpr_function in newer triton, 9 us a call.
     return max(16, 1 << (d_head - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _smem_bytes(kernel: str, t: Tiles, block_d: int, elem: int) -> int:
@@ -265,7 +270,7 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, n_tens
             limit = _smem_limit(like.device.index or 0)
             tiles = _default_tiles(kernel, meta["BLOCK_D"], like.element_size(), limit)
     own = tiles.block_n if kernel == "dkdv" else tiles.block_m
-    _run(jit_fn, (triton.cdiv(n_rows_of_grid, own), bh), args, n_tensors,
+    _run(jit_fn, (_cdiv(n_rows_of_grid, own), bh), args, n_tensors,
          {**meta, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n},
          {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}, traceable)
 
@@ -278,9 +283,10 @@ _MAX_COMPILED = 4096  # distinct launches kept (shapes, dtypes, alignments); pas
 
 def _launch_key(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs: dict, options: dict,
                 device: Optional[int]) -> tuple:
-    """Everything triton specialises a launch on: each tensor's dtype and 16-byte alignment, each integer's value
-    (it specialises on 1, on multiples of 16 and on 64-bit sizes), the constants and options; plus the grid.
-    args: the tensors, then the numbers."""
+    """What triton specialises a launch's arguments on: each tensor's dtype and 16-byte alignment, each integer's
+    value (it specialises on 1, on multiples of 16 and on 64-bit sizes), the constants and options; plus the grid.
+    args: the tensors, then the numbers. Triton's runtime settings (triton.knobs) count as they were at a key's
+    first launch."""
     tensors = args[:n_tensors]
     return (jit_fn, device, grid, *constexprs.values(), *options.values(), *args[n_tensors:],
             *[t.dtype for t in tensors], *[t.data_ptr() % 16 == 0 for t in tensors])
@@ -394,7 +400,7 @@ def delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool = False) -> torch
     """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads."""
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
-    _run(_kernels().attn_bwd_delta, (triton.cdiv(n_q, DELTA_BLOCK_M), b * h),
+    _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
          (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
          {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {}, traceable)
     return out
