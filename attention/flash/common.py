@@ -96,11 +96,8 @@ def attention_function(name: str, doc: str, check: Check, forward: Forward,
 
     def backward_(ctx, do):
         q, k, v, o, lse, *doc_ids = ctx.saved_tensors
-        if ctx.window is None and ctx.softcap is None and not doc_ids:  # the common case, without the variant's cost
-            dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-        else:
-            variant = Variant(ctx.window, ctx.softcap, doc_ids[0] if doc_ids else None).kwargs()
-            dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **variant)
+        variant = Variant(ctx.window, ctx.softcap, doc_ids[0] if doc_ids else None).kwargs()
+        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **variant)
         return dq, dk, dv, None, None, None, None, None
 
     return type(name, (torch.autograd.Function,),
