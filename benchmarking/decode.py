@@ -108,7 +108,7 @@ def time_decode(model: TransformerLM, batch: int, cache_len: int, compile: bool 
             tokens = decoder.step(tokens).argmax(-1)
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3 / per_block)
-    dtype = decoder.cache.k.dtype
+    dtype = decoder.cache.dtype
     return _timing(times, batch, weight_bytes(model) + cache_bytes_read(cfg, batch, cache_len + steps // 2, dtype))
 
 

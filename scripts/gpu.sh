@@ -28,7 +28,7 @@
 #                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), compiled + CUDA graph,
 #                         --fp8 off,tensorwise,rowwise
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
-#                         rowwise: the loss curves side by side
+#                         tensorwise (the faster mode in the steps part): the loss curves side by side
 #   profile      bench_model.py --profile on ours (sdpa, compiled), then scripts/kernel_categories.py: GPU ms per
 #                step by kernel category. Parts: large, 2.7B (shapes as in train-steps)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
@@ -185,7 +185,7 @@ step_fp8() {
                 local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
                               --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
                 run "$dir/loss-bf16.log" 300 "$PY" train.py "${common[@]}" --out "$dir/loss-bf16"
-                run "$dir/loss-rowwise.log" 300 "$PY" train.py "${common[@]}" --fp8 rowwise --out "$dir/loss-rowwise" ;;
+                run "$dir/loss-tensorwise.log" 300 "$PY" train.py "${common[@]}" --fp8 tensorwise --out "$dir/loss-tensorwise" ;;
             *) echo "unknown part fp8:$part (steps, loss)"; STATUS=1 ;;
         esac
     done
@@ -194,7 +194,7 @@ step_fp8() {
 summary_fp8() {
     echo "## fp8: bf16, compiled, CUDA graph ($OUT/fp8/*/results.json, $OUT/fp8/loss-*/metrics.jsonl)"
     summarize train-steps "$OUT"/fp8/steps-*/results.json
-    summarize train-variants "$OUT/fp8" loss-bf16 loss-rowwise
+    summarize train-variants "$OUT/fp8" loss-bf16 loss-tensorwise
 }
 
 # --- profile ---------------------------------------------------------------------------------------------------

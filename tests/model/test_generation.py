@@ -150,6 +150,35 @@ def test_the_compiled_and_graphed_step_equals_the_eager_one(attn):
     assert compiled.tokens == eager.tokens
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph of the compiled decode step needs CUDA")
+def test_a_compiled_step_costs_the_same_whatever_the_cache_can_hold():
+    """The step writes one position in place: a cache 64x longer, of which the same 16 positions are used, takes no
+    longer. (A compiled step that wrote into views of one shared buffer copied that buffer, 1 GiB here, every
+    step.)"""
+    decode_available("flash")
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=512, n_layers=2, n_heads=8, d_ff=1024, vocab_size=50, context_length=32768,
+                      attn="flash")
+    model = TransformerLM(cfg).eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 50, (8, 16), device="cuda")
+
+    def step_ms(max_len: int) -> float:
+        decoder = Decoder(model, batch=8, max_len=max_len, compile=True)
+        tokens = decoder.prefill(ids, torch.full((8,), 16, device="cuda")).argmax(-1)
+        for _ in range(3):  # compiles, then captures
+            tokens = decoder.step(tokens).argmax(-1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            decoder.step(tokens)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 20
+
+    short, long = step_ms(512), step_ms(32768)
+    assert long < 1.5 * short + 0.05, f"{long:.3f} ms a step with a cache of 32768 against {short:.3f} with 512"
+
+
 @pytest.mark.parametrize("attn", ["naive", "sdpa", "flash-torch", "flash"])
 def test_decoding_a_model_with_gqa_windows_and_softcap_equals_its_full_forward(attn):
     """Sampling runs the variants of training: a cache of the key/value heads, the local layers' window, softcap."""
@@ -159,7 +188,7 @@ def test_decoding_a_model_with_gqa_windows_and_softcap_equals_its_full_forward(a
     decode_available(attn)
     model = tiny(attn, DEVICE, **variants)
     decoder = Decoder(model, batch=2, max_len=16)
-    assert decoder.cache.k.shape[2] == 2  # kv heads, not 4
+    assert decoder.cache.keys_values(0)[0].shape[1] == 2  # kv heads, not 4
     prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7]]
     ids = torch.zeros(2, 7, dtype=torch.int64)
     for i, p in enumerate(prompts):
