@@ -73,18 +73,20 @@ def kernels_in_use() -> str:
     return _kernels
 
 
-PLAIN_ONLY = ("the Hopper kernels run plain causal/full attention; windows, documents, softcap and GQA run on the "
-              "Triton kernels")
+FORWARD_PLAIN_ONLY = ("the Hopper forward runs plain causal/full attention and GQA; windows, documents and softcap "
+                      "run on the Triton kernels")
+BACKWARD_PLAIN_ONLY = ("the Hopper backward runs plain causal/full attention; windows, documents, softcap and GQA run "
+                       "on the Triton kernels")
 
 
 def _forward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, replayed: bool,
                      kernels: str, capability: Optional[tuple[int, int]] = None, plain: bool = True) -> Optional[str]:
     """None when the Hopper forward runs these (batch, heads, seq, d) inputs, else why the Triton one does.
-    plain: no window, softcap or documents (GQA shows in the shapes)."""
+    plain: no window, softcap or documents (GQA, which shows in the shapes, runs on either forward)."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
-    if not plain or q4.shape[1] != k4.shape[1]:
-        return PLAIN_ONLY
+    if not plain:
+        return FORWARD_PLAIN_ONLY
     return hopper.forward_problem(q4, k4, v4, causal, replayed, capability)
 
 
@@ -95,7 +97,7 @@ def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4:
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
     if not plain or q4.shape[1] != k4.shape[1]:
-        return PLAIN_ONLY
+        return BACKWARD_PLAIN_ONLY
     return hopper.backward_problem(q4, k4, v4, do4, causal, replayed, capability)
 
 
@@ -153,9 +155,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     tiles: run the Triton forward with this config. traceable: inside a triton_op (the Triton launches go through
     torch.library.wrap_triton, the Hopper one through its own operator). replayed, kernels: as in choose_kernels.
-    window, softcap, doc_ids: the variants (attention/registry.py), on the Triton kernels.
+    window, softcap, doc_ids: the variants (attention/registry.py), on the Triton kernels; GQA on either.
     """
-    if window is not None or softcap is not None or doc_ids is not None or kv_groups(q, k) > 1:
+    if window is not None or softcap is not None or doc_ids is not None:
         return triton.forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
     if tiles is None:
         q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)

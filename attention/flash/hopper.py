@@ -257,7 +257,8 @@ def _check_tiles(n: int, t: HopperTiles) -> None:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
             scale: float, tiles: Optional[HopperTiles] = None) -> None:
-    """Write o (q's memory order) and lse ((batch * heads, seq) fp32, natural log) for accepted inputs."""
+    """Write o (q's memory order) and lse ((batch * heads, seq) fp32, natural log) for accepted inputs; k and v may
+    have fewer heads than q (GQA: a divisor of q's)."""
     import triton
 
     from attention.flash.hopper_kernels import attn_fwd_hopper
@@ -271,7 +272,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
         q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m), lse, *q_index, *k_index, *v_index,
         h, n, scale * math.log2(math.e),
-        **_meta(t, causal),
+        GROUP=h // k.shape[1], **_meta(t, causal),
     )
 
 

@@ -204,13 +204,14 @@ def attn_fwd_hopper(
     q_desc, k_desc, v_desc, o_desc, L,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     H, N, qk_scale,
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """O and L for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); N % BLOCK_M == N % BLOCK_N == 0.
 
     Q, K, V and O are 2-D descriptors over their storage: row b * rows_b + h * rows_h + position, column
-    h * cols_h. That covers (batch, heads, seq, d) and (batch, seq, heads, d) memory alike.
+    h * cols_h. That covers (batch, heads, seq, d) and (batch, seq, heads, d) memory alike. GROUP > 1 (GQA): query
+    head h reads key/value head h // GROUP.
     """
     dtype: gl.constexpr = q_desc.dtype
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -235,8 +236,9 @@ def attn_fwd_hopper(
     q_row = b * q_rows_b + h * q_rows_h + m0
     q_col = h * q_cols_h
     lse_base = bh * N + m0
-    k_row = b * k_rows_b + h * k_rows_h
-    v_row = b * v_rows_b + h * v_rows_h
+    kv_h = h // GROUP
+    k_row = b * k_rows_b + kv_h * k_rows_h
+    v_row = b * v_rows_b + kv_h * v_rows_h
     # Worker partitions take no distributed tensors, so each consumer's arguments are spelled out.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
@@ -245,7 +247,7 @@ def attn_fwd_hopper(
             (_consumer, (o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
                          lse_base, N, n_tiles, qk_scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_col, k_row, h * k_cols_h, v_row, h * v_cols_h, n_tiles, BLOCK_N, STAGES,
+                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, n_tiles, BLOCK_N, STAGES,
                          NUM_CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
@@ -258,7 +260,7 @@ def attn_fwd_hopper(
             (_consumer, (o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
                          lse_base, N, n_tiles, qk_scale, 2, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_col, k_row, h * k_cols_h, v_row, h * v_cols_h, n_tiles, BLOCK_N, STAGES,
+                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, n_tiles, BLOCK_N, STAGES,
                          NUM_CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 

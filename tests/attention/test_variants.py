@@ -234,12 +234,19 @@ def test_flash_writes_every_gradient_element():
 
 def test_variants_run_on_the_triton_kernels():
     q = torch.randn(1, 4, 64, 64, dtype=torch.bfloat16, device=DEVICE)
-    k = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device=DEVICE)
-    for kv, variant in ((k, {}), (q, {"window": 8}), (q, {"softcap": 30.0}),
-                        (q, {"doc_ids": torch.zeros(64, dtype=torch.long, device=DEVICE)})):
-        choice = flash_kernels(q, kv, kv, True, capability=(9, 0), **variant)
+    for variant in ({"window": 8}, {"softcap": 30.0}, {"doc_ids": torch.zeros(64, dtype=torch.long, device=DEVICE)}):
+        choice = flash_kernels(q, q, q, True, capability=(9, 0), **variant)
         assert (choice.forward, choice.backward) == ("triton", "triton")
-        assert "the Hopper kernels run plain causal/full attention" in choice.forward_reason
+        assert "the Hopper forward runs plain causal/full attention and GQA" in choice.forward_reason
+        assert "the Hopper backward runs plain causal/full attention" in choice.backward_reason
+
+
+def test_gqa_may_take_the_hopper_forward_but_not_its_backward():
+    q = torch.randn(1, 4, 64, 64, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device=DEVICE)
+    choice = flash_kernels(q, k, k, True, capability=(9, 0))
+    assert "plain" not in choice.forward_reason  # the forward is refused for its size only
+    assert choice.backward == "triton" and "GQA run on the Triton kernels" in choice.backward_reason
 
 
 def test_list_attention_names_the_variants_of_each_backend():

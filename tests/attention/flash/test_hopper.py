@@ -181,6 +181,47 @@ def test_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
 
 
 @requires_hopper
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("h, h_kv", [(4, 2), (6, 2), (4, 1)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_forward_matches_float64(layout, causal, h, h_kv, d):
+    """Query head i reads key/value head i // (h / h_kv): against float64 over K and V repeated per group."""
+    b, n, dtype = 2, 384, torch.bfloat16
+    q = make_qkv(b, h, n, d, dtype, layout, seed=d)[0]
+    k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=d + 7)[:2]
+    scale = d ** -0.5
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, n), float("nan"), device=DEVICE)
+    hopper.forward(q, k, v, o, lse, causal, scale)
+    group = h // h_kv
+    o_ref, lse_ref = reference(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), causal, scale)
+    assert rel(o, o_ref) <= TOLERANCE[dtype], rel(o, o_ref)
+    assert (lse.cpu().double() - lse_ref).abs().max().item() < 1e-4
+
+
+@requires_hopper
+def test_gqa_through_flash_runs_the_hopper_forward_and_the_triton_backward(monkeypatch):
+    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    calls = []
+    for kernel in ("forward", "backward"):
+        real = getattr(hopper, kernel)
+        monkeypatch.setattr(hopper, kernel, lambda *a, real=real, kernel=kernel, **kw: calls.append(kernel)
+                            or real(*a, **kw))
+    q = make_qkv(2, 4, 256, 64, torch.bfloat16, "bshd", seed=5)[0].requires_grad_()
+    k, v = (t.requires_grad_() for t in make_qkv(2, 2, 256, 64, torch.bfloat16, "bshd", seed=6)[:2])
+    o = flash_attention(q, k, v, True, 0.125)
+    do = randn(*o.shape, seed=9, dtype=torch.bfloat16)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    assert calls == ["forward"]
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    o64, _ = attention64(q64, k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1), True, 0.125)
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
+        assert rel(got, want) <= 2e-2, name
+
+
+@requires_hopper
 def test_flash_runs_it_unless_triton_is_asked_for(monkeypatch):
     monkeypatch.setattr(hopper, "MIN_SCORES", 0)
     calls = []
