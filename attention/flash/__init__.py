@@ -21,7 +21,7 @@ import torch
 from attention.flash import hopper, triton
 from attention.flash.common import as_bhsd, attention_function, default_scale, empty_like
 from attention.flash.triton import Tiles
-from attention.registry import (VARIANTS, UnsupportedInputError, graph_replay_requested, kv_groups,
+from attention.registry import (VARIANTS, UnsupportedInputError, graph_replay_requested,
                                 launches_replayed, register, validate_qkv, validate_variant)
 
 MIN_HEAD_DIM = 16
@@ -73,20 +73,18 @@ def kernels_in_use() -> str:
     return _kernels
 
 
-FORWARD_PLAIN_ONLY = ("the Hopper forward runs plain causal/full attention and GQA; windows, documents and softcap "
-                      "run on the Triton kernels")
-BACKWARD_PLAIN_ONLY = ("the Hopper backward runs plain causal/full attention; windows, documents, softcap and GQA run "
-                       "on the Triton kernels")
+PLAIN_ONLY = ("the Hopper kernels run plain causal/full attention and GQA; windows, documents and softcap run on the "
+              "Triton kernels")
 
 
 def _forward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, replayed: bool,
                      kernels: str, capability: Optional[tuple[int, int]] = None, plain: bool = True) -> Optional[str]:
     """None when the Hopper forward runs these (batch, heads, seq, d) inputs, else why the Triton one does.
-    plain: no window, softcap or documents (GQA, which shows in the shapes, runs on either forward)."""
+    plain: no window, softcap or documents (GQA shows in the shapes; both sets of kernels run it)."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
     if not plain:
-        return FORWARD_PLAIN_ONLY
+        return PLAIN_ONLY
     return hopper.forward_problem(q4, k4, v4, causal, replayed, capability)
 
 
@@ -96,8 +94,8 @@ def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4:
     """None when the Hopper backward runs these inputs, else why the Triton one does."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
-    if not plain or q4.shape[1] != k4.shape[1]:
-        return BACKWARD_PLAIN_ONLY
+    if not plain:
+        return PLAIN_ONLY
     return hopper.backward_problem(q4, k4, v4, do4, causal, replayed, capability)
 
 
@@ -155,7 +153,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     tiles: run the Triton forward with this config. traceable: inside a triton_op (the Triton launches go through
     torch.library.wrap_triton, the Hopper one through its own operator). replayed, kernels: as in choose_kernels.
-    window, softcap, doc_ids: the variants (attention/registry.py), on the Triton kernels; GQA on either.
+    window, softcap, doc_ids: the variants (attention/registry.py), on the Triton kernels (GQA on either).
     """
     if window is not None or softcap is not None or doc_ids is not None:
         return triton.forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
@@ -176,7 +174,7 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                    doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}): run the Triton
     backward with these configs; the rest as in flash_forward."""
-    if window is not None or softcap is not None or doc_ids is not None or kv_groups(q, k) > 1:
+    if window is not None or softcap is not None or doc_ids is not None:
         return triton.backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, doc_ids)
     if not tiles:
         q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))

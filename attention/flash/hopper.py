@@ -244,10 +244,11 @@ def _output_descriptor(out: torch.Tensor, input_index: tuple[int, int, int], blo
     return desc
 
 
-def _meta(t: HopperTiles, causal: bool) -> dict:
-    """The compile-time arguments every Hopper kernel takes; each consumer is one warpgroup of 4 warps."""
-    return dict(CAUSAL=causal, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages, NUM_CONSUMERS=t.consumers,
-                CONSUMER_REGS=t.consumer_regs, num_warps=4)
+def _meta(t: HopperTiles, causal: bool, group: int = 1) -> dict:
+    """The compile-time arguments every Hopper kernel takes; each consumer is one warpgroup of 4 warps. group: query
+    heads per key/value head (GQA)."""
+    return dict(CAUSAL=causal, GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages,
+                NUM_CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs, num_warps=4)
 
 
 def _check_tiles(n: int, t: HopperTiles) -> None:
@@ -272,7 +273,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
         q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m), lse, *q_index, *k_index, *v_index,
         h, n, scale * math.log2(math.e),
-        GROUP=h // k.shape[1], **_meta(t, causal),
+        **_meta(t, causal, h // k.shape[1]),
     )
 
 
@@ -302,7 +303,8 @@ def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
              tiles: Optional[dict[str, HopperTiles]] = None) -> None:
-    """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted.
+    """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted; k and v may have
+    fewer heads than q (GQA).
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
@@ -354,7 +356,8 @@ def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
                   t: HopperTiles) -> None:
-    """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed."""
+    """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
+    per (batch, key/value head) and key rows, over the query tiles of its group's heads."""
     import triton
 
     from attention.flash.hopper_kernels import attn_bwd_dkdv_hopper
@@ -362,11 +365,11 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     b, h, n, d = q.shape
     _check_tiles(n, t)
     descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
-    attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * h)](
+    attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * k.shape[1])](
         *descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
         _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
         *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
-        **_meta(t, causal),
+        **_meta(t, causal, h // k.shape[1]),
     )
 
 
@@ -383,5 +386,5 @@ def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
         *descs, _output_descriptor(dq, indices[0], t.block_m), lse, delta,
         *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
-        **_meta(t, causal),
+        **_meta(t, causal, h // k.shape[1]),
     )

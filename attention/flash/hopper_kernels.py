@@ -284,9 +284,13 @@ LOG2E = gl.constexpr(1.4426950408889634)
 def _bwd_producer(r0_desc, r1_desc, t0_desc, t1_desc, r0_smem, r1_smem, t0_smem, t1_smem, res_ready, ready, empty,
                   r0_row, r0_col, r1_row, r1_col, t0_row, t0_col, t1_row, t1_col, first, n_tiles,
                   STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                  lse_desc=None, delta_desc=None, lse_smem=None, delta_smem=None, stats_base=0):
+                  lse_desc=None, delta_desc=None, lse_smem=None, delta_smem=None, stats_base=0,
+                  GROUP: gl.constexpr = 1, t0_head_rows=0, t0_head_col=0, t1_head_rows=0, t1_head_col=0, N=0):
     """Each consumer's two resident tiles, then streamed tiles first .. first + n_tiles - 1 of two tensors, and with
-    lse_desc (dK/dV) the same tiles' L and delta, flat (batch * heads * seq) vectors from stats_base on."""
+    lse_desc (dK/dV) the same tiles' L and delta, flat (batch * heads * seq) vectors from stats_base on.
+
+    GROUP > 1 (dK/dV of GQA): n_tiles covers GROUP heads in turn, each n_tiles / GROUP tiles from `first`; head g's
+    tiles sit g * t*_head_rows rows and g * t*_head_col columns further, its L and delta g * N further."""
     R: gl.constexpr = r0_desc.block_type.shape[0]
     T: gl.constexpr = t0_desc.block_type.shape[0]
     STATS: gl.constexpr = lse_desc is not None
@@ -295,18 +299,26 @@ def _bwd_producer(r0_desc, r1_desc, t0_desc, t1_desc, r0_smem, r1_smem, t0_smem,
         _tma_load(r0_desc, [r0_row + c * R, r0_col], res_ready, r0_smem.index(c))
         _tma_load(r1_desc, [r1_row + c * R, r1_col], res_ready, r1_smem.index(c))
     tile_bytes: gl.constexpr = t0_desc.block_type.nbytes + t1_desc.block_type.nbytes
+    per_head = n_tiles // GROUP
     for i in range(n_tiles):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes the first wait
         row = (first + i) * T
+        r0, c0, r1, c1, stats = t0_row, t0_col, t1_row, t1_col, stats_base
+        if GROUP > 1:
+            g = i // per_head
+            row = (first + i - g * per_head) * T
+            r0, c0 = t0_row + g * t0_head_rows, t0_col + g * t0_head_col
+            r1, c1 = t1_row + g * t1_head_rows, t1_col + g * t1_head_col
+            stats = stats_base + g * N
         if STATS:
             mbarrier.expect(ready.index(slot), tile_bytes + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            _tma_load(lse_desc, [stats_base + row], ready.index(slot), lse_smem.index(slot))
-            _tma_load(delta_desc, [stats_base + row], ready.index(slot), delta_smem.index(slot))
+            _tma_load(lse_desc, [stats + row], ready.index(slot), lse_smem.index(slot))
+            _tma_load(delta_desc, [stats + row], ready.index(slot), delta_smem.index(slot))
         else:
             mbarrier.expect(ready.index(slot), tile_bytes)
-        _tma_load(t0_desc, [t0_row + row, t0_col], ready.index(slot), t0_smem.index(slot))
-        _tma_load(t1_desc, [t1_row + row, t1_col], ready.index(slot), t1_smem.index(slot))
+        _tma_load(t0_desc, [r0 + row, c0], ready.index(slot), t0_smem.index(slot))
+        _tma_load(t1_desc, [r1 + row, c1], ready.index(slot), t1_smem.index(slot))
 
 
 @gluon.jit
@@ -429,10 +441,10 @@ def attn_bwd_dq_hopper(
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
     H, N, qk_scale, scale,
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """dQ for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); descriptors as in attn_fwd_hopper.
+    """dQ for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); descriptors and GROUP as in attn_fwd_hopper.
 
     dQ is written through dq_desc, which indexes like q_desc.
     """
@@ -452,8 +464,9 @@ def attn_bwd_dq_hopper(
     q_col = h * q_cols_h
     do_row = b * do_rows_b + h * do_rows_h + m0
     lse_base = bh * N + m0
-    k_row = b * k_rows_b + h * k_rows_h
-    v_row = b * v_rows_b + h * v_rows_h
+    kv_h = h // GROUP
+    k_row = b * k_rows_b + kv_h * k_rows_h
+    v_row = b * v_rows_b + kv_h * v_rows_h
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
@@ -461,7 +474,7 @@ def attn_bwd_dq_hopper(
             (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
                             m0, lse_base, N, n_tiles, qk_scale, scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
-                             q_row, q_col, do_row, h * do_cols_h, k_row, h * k_cols_h, v_row, h * v_cols_h, 0,
+                             q_row, q_col, do_row, h * do_cols_h, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, 0,
                              n_tiles, STAGES, NUM_CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
@@ -474,15 +487,16 @@ def attn_bwd_dq_hopper(
             (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
                             m0, lse_base, N, n_tiles, qk_scale, scale, 2, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
-                             q_row, q_col, do_row, h * do_cols_h, k_row, h * k_cols_h, v_row, h * v_cols_h, 0,
+                             q_row, q_col, do_row, h * do_cols_h, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, 0,
                              n_tiles, STAGES, NUM_CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 @gluon.jit
 def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, ds, keys, first,
-                     n_band, qk_scale, CAUSAL: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr):
+                     n_band, per_head, qk_scale, CAUSAL: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
+                     GROUP: gl.constexpr):
     """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs.
 
     st is tile i's S^T = K Q_i^T, computed during the tile before. With NEXT, tile i+1's S^T is issued before this
@@ -502,8 +516,11 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
     delta = delta_smem.index(slot).load(col_s)
     pt = gl.exp2(st * qk_scale - lse2[None, :])
     if CAUSAL:
-        if i < n_band:  # one loop for the band and the rest: one copy of the tile's code, a branch per tile
-            cols = (first + i) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)  # query positions
+        j = i  # the tile's place in its head's stream (GQA streams the group's heads in turn)
+        if GROUP > 1:
+            j = i % per_head
+        if j < n_band:  # one loop for the band and the rest: one copy of the tile's code, a branch per tile
+            cols = (first + j) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)  # query positions
             pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
@@ -538,8 +555,9 @@ def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 @gluon.jit
 def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
                v_col, first_key, first, n_tiles, qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """dK and dV of one consumer's BLOCK_M key rows over every streamed query tile, written out."""
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+    """dK and dV of one consumer's BLOCK_M key rows over every streamed query tile (of GROUP query heads in turn,
+    n_tiles in all), written out."""
     dtype: gl.constexpr = dk_desc.dtype
     D: gl.constexpr = dk_desc.block_type.shape[1]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -550,6 +568,7 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
 
     keys = first_key + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
     last = n_tiles - 1
+    per_head = n_tiles // GROUP
     if CAUSAL:
         # Query tiles that start before this consumer's last key hold masked scores. The program's first tiles may
         # lie wholly above this consumer's keys: masked to zero, not skipped.
@@ -583,11 +602,11 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
         st = _next_scores(k, q_smem, ready, 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
         for i in range(1, last):
             dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                              dv, ds, keys, first, n_band, qk_scale, CAUSAL, True, BLOCK_M, BLOCK_N,
-                                              STAGES, st_layout, op_layout)
+                                              dv, ds, keys, first, n_band, per_head, qk_scale, CAUSAL, True, BLOCK_M,
+                                              BLOCK_N, STAGES, st_layout, op_layout, GROUP)
         dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                          dv, ds, keys, first, n_band, qk_scale, CAUSAL, False, BLOCK_M, BLOCK_N,
-                                          STAGES, st_layout, op_layout)  # the last tile: no S^T to issue
+                                          dv, ds, keys, first, n_band, per_head, qk_scale, CAUSAL, False, BLOCK_M,
+                                          BLOCK_N, STAGES, st_layout, op_layout, GROUP)  # the last: no S^T to issue
 
     dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
     dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
@@ -605,13 +624,14 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready, ready, empty,
                    k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, CONSUMER: gl.constexpr,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   GROUP: gl.constexpr):
     first_key = n0 + CONSUMER * BLOCK_M
     mbarrier.wait(res_ready, 0)
     if first_key < N:
         _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                    delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
-                   first_key, first, n_tiles, qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+                   first_key, first, n_tiles, qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)
     else:
         _release(ready, empty, 0, n_tiles, STAGES)
 
@@ -622,22 +642,25 @@ def attn_bwd_dkdv_hopper(
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
     H, N, qk_scale, scale,
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, head), query tiles of BLOCK_N streamed.
+    """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, key/value head), query tiles of BLOCK_N streamed.
 
     dK and dV are written through dk_desc and dv_desc, which index like k_desc and v_desc. lse_desc and delta_desc
-    are 1-D descriptors over the flat (batch * heads * seq) L and delta, in blocks of BLOCK_N.
+    are 1-D descriptors over the flat (batch * heads * seq) L and delta, in blocks of BLOCK_N. H counts query heads;
+    GROUP > 1 (GQA): the program streams the query tiles of its GROUP query heads one head after another, so its sum
+    over them is one consumer's, in one order (deterministic, no atomics).
     """
     dtype: gl.constexpr = k_desc.dtype
     D: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
 
     pid_n = gl.program_id(0)  # causal: the first key rows see the most queries, and launch first
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
+    bh = gl.program_id(1)  # (batch, key/value head)
+    b = bh // (H // GROUP)
+    h = bh % (H // GROUP)  # the key/value head
+    hq = h * GROUP  # its first query head
     n0 = pid_n * ROWS
     if CAUSAL:
         first = n0 // BLOCK_N  # queries above the program's first key see none of its keys
@@ -657,34 +680,36 @@ def attn_bwd_dkdv_hopper(
     k_col = h * k_cols_h
     v_row = b * v_rows_b + h * v_rows_h + n0
     v_col = h * v_cols_h
-    lse_base = bh * N
-    q_row = b * q_rows_b + h * q_rows_h
-    do_row = b * do_rows_b + h * do_rows_h
+    lse_base = (b * H + hq) * N
+    q_row = b * q_rows_b + hq * q_rows_h
+    do_row = b * do_rows_b + hq * do_rows_h
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 0,
-                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
+                              scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 1,
-                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
+                              scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                             k_row, k_col, v_row, v_col, q_row, h * q_cols_h, do_row, h * do_cols_h, first, n_tiles,
-                             STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem, lse_base)),
+                             k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
+                             GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
+                             lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 0,
-                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
+                              scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 1,
-                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
+                              scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, 2,
-                              CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
+                              scale, 2, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                             k_row, k_col, v_row, v_col, q_row, h * q_cols_h, do_row, h * do_cols_h, first, n_tiles,
-                             STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem, lse_base)),
+                             k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
+                             GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
+                             lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -74,8 +74,6 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True):
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
     fn = getattr(hopper_kernels, KERNELS[kind])
     meta = _meta(tiles, causal)
-    if kind == "fwd":
-        meta["GROUP"] = 1
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}

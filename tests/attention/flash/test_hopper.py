@@ -201,7 +201,7 @@ def test_gqa_forward_matches_float64(layout, causal, h, h_kv, d):
 
 
 @requires_hopper
-def test_gqa_through_flash_runs_the_hopper_forward_and_the_triton_backward(monkeypatch):
+def test_gqa_through_flash_runs_the_hopper_kernels(monkeypatch):
     monkeypatch.setattr(hopper, "MIN_SCORES", 0)
     calls = []
     for kernel in ("forward", "backward"):
@@ -213,7 +213,7 @@ def test_gqa_through_flash_runs_the_hopper_forward_and_the_triton_backward(monke
     o = flash_attention(q, k, v, True, 0.125)
     do = randn(*o.shape, seed=9, dtype=torch.bfloat16)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    assert calls == ["forward"]
+    assert calls == ["forward", "backward"]
     q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     o64, _ = attention64(q64, k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1), True, 0.125)
     grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
@@ -308,6 +308,37 @@ def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
     for name, got, want, like in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, (q, k, v)):
         assert got.stride() == like.stride(), name
         assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
+
+
+@requires_hopper
+@pytest.mark.parametrize("tiles", BACKWARD_TILES[:2], ids=_tiles_id)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("h, h_kv", [(4, 2), (6, 2), (4, 1)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d):
+    """dK and dV of a key/value head sum its group's query heads (one program streams them in turn)."""
+    if any(_backward_smem(t, d) > 227 * 1024 for t in tiles.values()):
+        pytest.skip("these tiles take more shared memory than an SM has at d 128")
+    b, n, dtype = 2, 384, torch.bfloat16
+    q = make_qkv(b, h, n, d, dtype, layout, seed=d)[0]
+    k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=d + 7)[:2]
+    do = make_qkv(b, h, n, d, dtype, layout, seed=d + 11)[0]
+    scale = d ** -0.5
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    group = h // h_kv
+    o64, lse64 = attention64(q64, k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1), causal, scale)
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    o = o64.detach().to(DEVICE, dtype)
+    lse = lse64.detach().to(DEVICE, torch.float32).contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # every element must be written
+    hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64):
+        assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
+    again = [torch.empty_like(t) for t in (q, k, v)]
+    hopper.backward(q, k, v, do, lse, delta, *again, causal, scale, tiles)
+    assert all(torch.equal(a, g) for a, g in zip(again, (dq, dk, dv)))  # deterministic
 
 
 @requires_hopper
