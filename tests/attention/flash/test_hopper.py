@@ -41,6 +41,16 @@ def attention64(q, k, v, causal, scale):
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
+def record_hopper_calls(monkeypatch) -> list[str]:
+    """The names ("forward", "backward") of the Hopper passes run from now on, in order; they still run."""
+    calls = []
+    for kernel in ("forward", "backward"):
+        real = getattr(hopper, kernel)
+        monkeypatch.setattr(hopper, kernel, lambda *a, real=real, kernel=kernel, **kw: calls.append(kernel)
+                            or real(*a, **kw))
+    return calls
+
+
 def rel(a, b):
     a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return ((a - b).norm() / b.norm()).item()
@@ -203,11 +213,7 @@ def test_gqa_forward_matches_float64(layout, causal, h, h_kv, d):
 @requires_hopper
 def test_gqa_through_flash_runs_the_hopper_kernels(monkeypatch):
     monkeypatch.setattr(hopper, "MIN_SCORES", 0)
-    calls = []
-    for kernel in ("forward", "backward"):
-        real = getattr(hopper, kernel)
-        monkeypatch.setattr(hopper, kernel, lambda *a, real=real, kernel=kernel, **kw: calls.append(kernel)
-                            or real(*a, **kw))
+    calls = record_hopper_calls(monkeypatch)
     q = make_qkv(2, 4, 256, 64, torch.bfloat16, "bshd", seed=5)[0].requires_grad_()
     k, v = (t.requires_grad_() for t in make_qkv(2, 2, 256, 64, torch.bfloat16, "bshd", seed=6)[:2])
     o = flash_attention(q, k, v, True, 0.125)
@@ -242,11 +248,7 @@ def test_flash_runs_it_unless_triton_is_asked_for(monkeypatch):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gradients_through_flash_match_float64(monkeypatch, compiled):
     monkeypatch.setattr(hopper, "MIN_SCORES", 0)
-    calls = []
-    for kernel in ("forward", "backward"):
-        real = getattr(hopper, kernel)
-        monkeypatch.setattr(hopper, kernel, lambda *a, real=real, kernel=kernel, **kw: calls.append(kernel)
-                            or real(*a, **kw))
+    calls = record_hopper_calls(monkeypatch)
     torch._dynamo.reset()
     flash = flash_attention
     fn = torch.compile(flash, fullgraph=True) if compiled else flash
