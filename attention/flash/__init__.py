@@ -4,7 +4,8 @@ Two sets of kernels compute it: Triton kernels that run every input (triton.py, 
 kernels for Hopper GPUs that run the inputs they support faster (hopper.py, hopper_kernels.py). `choose_kernels`
 decides between them, for the forward and the backward, and says why; the launches ask it, so what it says is what
 runs. `use_kernels("triton")` forces the Triton kernels. `flash-torch` (reference.py) is the readable specification.
-The variants (GQA, windows, documents, softcap; attention/registry.py) run on the Triton kernels.
+The variants (attention/registry.py) run on both, except softcap (Triton only); the forward of documents and of
+windows under hopper.FORWARD_MIN_WINDOW keys stays on the Triton kernels, faster there.
 
     from attention.flash import FlashAttentionTriton, FlashAttentionTorch, choose_kernels, use_kernels
 """
@@ -73,36 +74,37 @@ def kernels_in_use() -> str:
     return _kernels
 
 
-PLAIN_ONLY = ("the Hopper kernels run plain causal/full attention and GQA; windows, documents and softcap run on the "
-              "Triton kernels")
+NO_SOFTCAP = "the Hopper kernels run every variant but softcap, which runs on the Triton kernels"
 
 
 def _forward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, replayed: bool,
-                     kernels: str, capability: Optional[tuple[int, int]] = None, plain: bool = True) -> Optional[str]:
+                     kernels: str, capability: Optional[tuple[int, int]] = None, softcap: bool = False,
+                     window: Optional[int] = None, docs: bool = False) -> Optional[str]:
     """None when the Hopper forward runs these (batch, heads, seq, d) inputs, else why the Triton one does.
-    plain: no window, softcap or documents (GQA shows in the shapes; both sets of kernels run it)."""
+    softcap, window, docs: whether the call caps its scores, its window, whether it packs documents."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
-    if not plain:
-        return PLAIN_ONLY
-    return hopper.forward_problem(q4, k4, v4, causal, replayed, capability)
+    if softcap:
+        return NO_SOFTCAP
+    return hopper.forward_problem(q4, k4, v4, causal, replayed, capability, window, docs)
 
 
 def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, causal: bool,
                       replayed: bool, kernels: str, capability: Optional[tuple[int, int]] = None,
-                      plain: bool = True) -> Optional[str]:
+                      softcap: bool = False, window: Optional[int] = None, docs: bool = False) -> Optional[str]:
     """None when the Hopper backward runs these inputs, else why the Triton one does."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
-    if not plain:
-        return PLAIN_ONLY
-    return hopper.backward_problem(q4, k4, v4, do4, causal, replayed, capability)
+    if softcap:
+        return NO_SOFTCAP
+    return hopper.backward_problem(q4, k4, v4, do4, causal, replayed, capability, window, docs)
 
 
 _SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bool, replayed: bool) -> str:
+def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bool, replayed: bool,
+            window: Optional[int] = None) -> str:
     """"hopper: " and what qualified the input, or "triton: " and the problem."""
     replay = "launches replayed from a CUDA graph"
     if problem is not None:
@@ -110,7 +112,7 @@ def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bo
     b, h, n, d = q4.shape
     fewest = hopper.min_scores(d, pass_name, replayed)
     bound = f"at least {hopper.power_of_two(fewest)}" if fewest else "any size"
-    scores = hopper.power_of_two(hopper.scores(b * h, n, causal))
+    scores = hopper.power_of_two(hopper.scores(b * h, n, causal, window))
     return f"hopper: sm_90, {_SHORT_DTYPES[q4.dtype]}, d {d}, {scores} scores ({bound}" + (
         f", {replay})" if replayed else ")")
 
@@ -125,19 +127,20 @@ def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     whether the launches will be replayed from a CUDA graph (default: inside attention.graph_replay() or a capture).
     kernels: "auto" or "triton" (default: the use_kernels() setting). capability: decide for a GPU of this
     (major, minor), e.g. (9, 0), instead of q's device. window, softcap, doc_ids: the variants of the call (the Hopper
-    kernels run none of them). Raises UnsupportedInputError when flash cannot run the input.
+    kernels run all but softcap, and the forward of documents and short windows). Raises UnsupportedInputError when flash cannot run the input.
     """
     _check(q, k, v, causal, None, window, softcap, doc_ids)
-    plain = window is None and softcap is None and doc_ids is None
+    capped = softcap is not None
     q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     do4 = q4 if do is None else as_bhsd(do)
     replayed = launches_replayed() if replayed is None else replayed
     kernels = kernels_in_use() if kernels is None else kernels
-    forward = _forward_problem(q4, k4, v4, causal, replayed, kernels, capability, plain)
-    backward = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability, plain)
+    forward = _forward_problem(q4, k4, v4, causal, replayed, kernels, capability, capped, window, doc_ids is not None)
+    backward = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability, capped, window,
+                                 doc_ids is not None)
     return KernelChoice("triton" if forward else "hopper", "triton" if backward else "hopper",
-                        _reason(forward, "forward", q4, causal, replayed),
-                        _reason(backward, "backward", q4, causal, replayed))
+                        _reason(forward, "forward", q4, causal, replayed, window),
+                        _reason(backward, "backward", q4, causal, replayed, window))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -153,18 +156,17 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     tiles: run the Triton forward with this config. traceable: inside a triton_op (the Triton launches go through
     torch.library.wrap_triton, the Hopper one through its own operator). replayed, kernels: as in choose_kernels.
-    window, softcap, doc_ids: the variants (attention/registry.py), on the Triton kernels (GQA on either).
+    window, softcap, doc_ids: the variants (attention/registry.py); softcap on the Triton kernels.
     """
-    if window is not None or softcap is not None or doc_ids is not None:
-        return triton.forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
-    if tiles is None:
+    if tiles is None and softcap is None:
         q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
         replayed = launches_replayed() if replayed is None else replayed
         kernels = kernels_in_use() if kernels is None else kernels
-        if _forward_problem(q4, k4, v4, causal, replayed, kernels) is None:
-            o4, lse4 = (hopper_forward_op if traceable else hopper.run_forward)(q4, k4, v4, causal, scale)
+        if _forward_problem(q4, k4, v4, causal, replayed, kernels, None, False, window, doc_ids is not None) is None:
+            o4, lse4 = (hopper_forward_op if traceable else hopper.run_forward)(q4, k4, v4, causal, scale, window,
+                                                                                _per_sequence(doc_ids, q))
             return o4.reshape(q.shape), lse4.reshape(q.shape[:-1])
-    return triton.forward(q, k, v, causal, scale, tiles, traceable)
+    return triton.forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
 
 
 def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
@@ -174,18 +176,27 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                    doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}): run the Triton
     backward with these configs; the rest as in flash_forward."""
-    if window is not None or softcap is not None or doc_ids is not None:
-        return triton.backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, doc_ids)
-    if not tiles:
+    if not tiles and softcap is None:
         q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
         replayed = launches_replayed() if replayed is None else replayed
         kernels = kernels_in_use() if kernels is None else kernels
-        if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels) is None:
+        if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, None, False, window,
+                             doc_ids is not None) is None:
             lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
             grads = (hopper_backward_op if traceable else hopper.run_backward)(q4, k4, v4, o4, lse, do4, causal,
-                                                                               scale)
+                                                                               scale, window,
+                                                                               _per_sequence(doc_ids, q))
             return tuple(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v)))
-    return triton.backward(q, k, v, o, lse, do, causal, scale, tiles, traceable)
+    return triton.backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, doc_ids)
+
+
+def _per_sequence(doc_ids: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
+    """doc_ids (broadcastable to q.shape[:-3] + (seq,)) as (batch, seq), batch as as_bhsd flattens q's leading
+    dims."""
+    if doc_ids is None:
+        return None
+    n = q.shape[-2]
+    return doc_ids.expand(*q.shape[:-3], n).reshape(-1, n)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -336,27 +347,28 @@ flash_opaque_op, flash_backward_opaque_op = _operator_pair("_opaque", traceable=
 
 
 @torch.library.custom_op("flash_lm::flash_attn_fwd_hopper", mutates_args=())
-def hopper_forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of (batch, heads, seq, d) inputs that hopper.forward_problem accepted."""
-    return hopper.run_forward(q4, k4, v4, causal, scale)
+def hopper_forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float,
+                      window: Optional[int] = None,
+                      doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of (batch, heads, seq, d) inputs that hopper.forward_problem accepted; doc_ids (batch, seq)."""
+    return hopper.run_forward(q4, k4, v4, causal, scale, window, doc_ids)
 
 
 @hopper_forward_op.register_fake
-def _(q4, k4, v4, causal, scale):
+def _(q4, k4, v4, causal, scale, window=None, doc_ids=None):
     return empty_like(q4), q4.new_empty(q4.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_lm::flash_attn_bwd_hopper", mutates_args=())
 def hopper_backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
-                       do4: torch.Tensor, causal: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of (batch, heads, seq, d) inputs that hopper.backward_problem accepted."""
-    return hopper.run_backward(q4, k4, v4, o4, lse, do4, causal, scale)
+                       do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
+                       doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that hopper.backward_problem accepted; doc_ids (batch, seq)."""
+    return hopper.run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, doc_ids)
 
 
 @hopper_backward_op.register_fake
-def _(q4, k4, v4, o4, lse, do4, causal, scale):
+def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, doc_ids=None):
     return empty_like(q4), empty_like(k4), empty_like(v4)
 
 

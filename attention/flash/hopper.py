@@ -17,6 +17,7 @@ import torch
 
 from attention.flash.common import empty, empty_like, on_device_of
 from attention.flash.triton import delta as triton_delta
+from attention.masks import doc_bounds
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -32,6 +33,12 @@ MIN_SCORES = 2**28
 # (B1 H16 N4096: 0.117 against 0.123 ms; at B2 H16 N2048, 2^26, 0.072 against 0.070) and at every size tried at
 # d 128.
 REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
+# A Hopper program holds an SM alone and pays its start and end (loads, pipeline fill, the store of O) once per
+# program; with few key tiles per row the Triton forward, several programs to an SM, hides that and is faster. Kernel
+# times on the H100 at B1 H16 N16384 d 64 causal, Triton against Hopper: window 1024 0.231 against 0.290 ms, window
+# 4096 0.685 against 0.622, documents of mean length 1024 0.238 against 0.420. The Hopper backward was faster at all
+# three (0.768 against 0.505, 2.258 against 1.522, 0.673 against 0.434), so only the forward stays on Triton.
+FORWARD_MIN_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -121,9 +128,15 @@ def min_scores(d: int, pass_name: str, replayed: bool) -> int:
     return REPLAYED_FORWARD_MIN_SCORES.get(d, 0) if pass_name == "forward" else 0
 
 
-def scores(batch_heads: int, n: int, causal: bool) -> int:
-    """The attention scores a problem computes: batch * heads * n^2, halved when causal."""
-    return batch_heads * n * n // (2 if causal else 1)
+def scores(batch_heads: int, n: int, causal: bool, window: Optional[int] = None) -> int:
+    """The attention scores a problem computes: batch * heads * n^2, halved when causal. With a window, those of the
+    key tiles it visits: each row's band widened by a tile (SEQ_MULTIPLE keys), as the masked tiles at its edges cost
+    about as much as whole ones. Documents, unknown on the host, count as whole."""
+    whole = batch_heads * n * n // (2 if causal else 1)
+    if window is None:
+        return whole
+    band = window + SEQ_MULTIPLE if causal else 2 * window + SEQ_MULTIPLE
+    return min(whole, batch_heads * n * band)
 
 
 def device_capability(t: torch.Tensor) -> Optional[tuple[int, int]]:
@@ -137,11 +150,13 @@ def _capability(device_index: int) -> tuple[int, int]:  # asked once: 3 us a cal
 
 
 def problem(pass_name: str, capability: Optional[tuple[int, int]], dtype: torch.dtype, batch_heads: int, n_q: int,
-            n_k: int, d: int, causal: bool, replayed: bool) -> Optional[str]:
+            n_k: int, d: int, causal: bool, replayed: bool, window: Optional[int] = None,
+            docs: bool = False) -> Optional[str]:
     """Why the Hopper kernels of `pass_name` cannot take a problem of this size and dtype on a GPU of `capability`
     (None: the tensors are not on a GPU), or None when they can; memory layouts and Triton's Gluon aside.
 
-    replayed: the launches will be replayed from a CUDA graph, so host time does not count.
+    replayed: the launches will be replayed from a CUDA graph, so host time does not count. window, docs: the call's
+    window, and whether it packs documents.
     """
     if capability is None:
         return "the Hopper kernels need CUDA tensors"
@@ -159,7 +174,10 @@ def problem(pass_name: str, capability: Optional[tuple[int, int]], dtype: torch.
         return f"the Hopper kernels run at most {MAX_PROGRAM_ROWS} (batch, head) pairs, got {batch_heads}"
     if batch_heads * n_q >= 2**31:
         return "the Hopper kernels' TMA coordinates are 32-bit: batch * heads * seq must be below 2^31"
-    count, fewest = scores(batch_heads, n_q, causal), min_scores(d, pass_name, replayed)
+    count, fewest = scores(batch_heads, n_q, causal, window), min_scores(d, pass_name, replayed)
+    if docs and not replayed:
+        return ("documents run on the Hopper kernels only under CUDA-graph replay: eager, host time outweighs the "
+                "faster kernels")
     if count < fewest:
         why = "the Triton forward takes less GPU time" if replayed else "host time outweighs the faster kernels"
         return f"{power_of_two(count)} scores are too few for the Hopper kernels: below {power_of_two(fewest)} {why}"
@@ -179,26 +197,38 @@ def _layout_problem(**tensors: torch.Tensor) -> Optional[str]:
 
 
 def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, replayed: bool = False,
-                    capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+                    capability: Optional[tuple[int, int]] = None, window: Optional[int] = None,
+                    docs: bool = False) -> Optional[str]:
     """Why the Hopper forward cannot run these (batch, heads, seq, d) inputs, or None when it can.
 
     replayed: the launch will be replayed from a CUDA graph (attention.registry.launches_replayed), so host time
-    does not count. capability: decide for a GPU of this (major, minor) instead of q's device.
+    does not count. capability: decide for a GPU of this (major, minor) instead of q's device. window, docs: the
+    call's window, and whether it packs documents (see FORWARD_MIN_WINDOW).
     """
     b, h, n, d = q.shape
     capability = capability or device_capability(q)
-    return (problem("forward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed)
-            or _layout_problem(q=q, k=k, v=v) or _gluon_problem())
+    return (problem("forward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed, window)
+            or _short_rows_problem(window, docs) or _layout_problem(q=q, k=k, v=v) or _gluon_problem())
+
+
+def _short_rows_problem(window: Optional[int], docs: bool) -> Optional[str]:
+    if docs:
+        return "documents run on the Triton forward (faster at mean length 1024)"
+    if window is not None and window < FORWARD_MIN_WINDOW:
+        return f"a window under {FORWARD_MIN_WINDOW} keys runs on the Triton forward (faster)"
+    return None
 
 
 def backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
-                     replayed: bool = False, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
-    """Why the Hopper dK/dV and dQ kernels cannot run these (batch, heads, seq, d) inputs, or None when they can."""
+                     replayed: bool = False, capability: Optional[tuple[int, int]] = None,
+                     window: Optional[int] = None, docs: bool = False) -> Optional[str]:
+    """Why the Hopper dK/dV and dQ kernels cannot run these (batch, heads, seq, d) inputs, or None when they can.
+    window, docs: as forward_problem."""
     b, h, n, d = q.shape
     capability = capability or device_capability(q)
     if do.dtype != q.dtype:
         return f"the Hopper kernels need dO in q's dtype, got dO {do.dtype} and q {q.dtype}"
-    return (problem("backward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed)
+    return (problem("backward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed, window, docs)
             or _layout_problem(q=q, k=k, v=v, dO=do) or _gluon_problem())
 
 
@@ -244,11 +274,41 @@ def _output_descriptor(out: torch.Tensor, input_index: tuple[int, int, int], blo
     return desc
 
 
-def _meta(t: HopperTiles, causal: bool, group: int = 1) -> dict:
+def _meta(t: HopperTiles, causal: bool, group: int = 1, window: bool = False, docs: bool = False) -> dict:
     """The compile-time arguments every Hopper kernel takes; each consumer is one warpgroup of 4 warps. group: query
-    heads per key/value head (GQA)."""
-    return dict(CAUSAL=causal, GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.stages,
-                NUM_CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs, num_warps=4)
+    heads per key/value head (GQA); window, docs: whether a window or documents mask the scores."""
+    return dict(CAUSAL=causal, WINDOW=window, DOCS=docs, GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                STAGES=t.stages, NUM_CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs, num_warps=4)
+
+
+@dataclass(frozen=True)
+class Masks:
+    """What masks the scores beyond causal: a window of `window` keys, documents bounded by `starts` and `ends`
+    (int32 (batch, seq), attention.masks.doc_bounds: the positions [start, end) of each position's document)."""
+
+    window: Optional[int] = None
+    starts: Optional[torch.Tensor] = None
+    ends: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def of(q: torch.Tensor, window: Optional[int], doc_ids: Optional[torch.Tensor]) -> "Masks":
+        """The masks of a (batch, heads, seq, d) problem with these registry arguments."""
+        if doc_ids is None:
+            return Masks(window)
+        starts, ends = doc_bounds(doc_ids, tuple(q.shape[:1]), q.shape[-2])
+        return Masks(window, starts, ends)
+
+    def arguments(self, dummy: torch.Tensor) -> tuple:
+        """(START, END, window) as the kernels take them; `dummy` stands for absent bounds (never read)."""
+        if self.starts is None:
+            return dummy, dummy, self.window or 0
+        return self.starts, self.ends, self.window or 0
+
+    def constexprs(self) -> dict:
+        return dict(window=self.window is not None, docs=self.starts is not None)
+
+
+NO_MASKS = Masks()
 
 
 def _check_tiles(n: int, t: HopperTiles) -> None:
@@ -257,7 +317,7 @@ def _check_tiles(n: int, t: HopperTiles) -> None:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-            scale: float, tiles: Optional[HopperTiles] = None) -> None:
+            scale: float, tiles: Optional[HopperTiles] = None, masks: Masks = NO_MASKS) -> None:
     """Write o (q's memory order) and lse ((batch * heads, seq) fp32, natural log) for accepted inputs; k and v may
     have fewer heads than q (GQA: a divisor of q's)."""
     import triton
@@ -270,10 +330,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     q_desc, q_index = _descriptor(q, t.block_m)
     k_desc, k_index = _descriptor(k, t.block_n)
     v_desc, v_index = _descriptor(v, t.block_n)
+    starts, ends, window = masks.arguments(lse)
     attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m), lse, *q_index, *k_index, *v_index,
-        h, n, scale * math.log2(math.e),
-        **_meta(t, causal, h // k.shape[1]),
+        q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m), lse, starts, ends,
+        *q_index, *k_index, *v_index, h, n, window, scale * math.log2(math.e),
+        **_meta(t, causal, h // k.shape[1], **masks.constexprs()),
     )
 
 
@@ -302,7 +363,7 @@ def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-             tiles: Optional[dict[str, HopperTiles]] = None) -> None:
+             tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS) -> None:
     """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted; k and v may have
     fewer heads than q (GQA).
 
@@ -316,29 +377,33 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     main = torch.cuda.current_stream(q.device)
     side = _side_stream(q.device.index or 0)
     side.wait_stream(main)  # the inputs, delta included, are written on main
-    backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"])
+    backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks)
     with torch.cuda.stream(side):
-        backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"])
+        backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"], masks)
     # Main waits for dQ before anything later runs, so no tensor the dQ kernel touches is freed or reused under it.
     main.wait_stream(side)
 
 
-def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of (batch, heads, seq, d) inputs that forward_problem accepted: o in q's memory order, lse fp32."""
+def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float,
+                window: Optional[int] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of (batch, heads, seq, d) inputs that forward_problem accepted: o in q's memory order, lse fp32.
+    window, doc_ids: as the registry takes them."""
     o4 = empty_like(q4)
     lse = empty(tuple(q4.shape[:-1]), torch.float32, q4.device)
     with on_device_of(q4):
-        forward(q4, k4, v4, o4, lse, causal, scale)
+        forward(q4, k4, v4, o4, lse, causal, scale, masks=Masks.of(q4, window, doc_ids))
     return o4, lse
 
 
 def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
-                 do4: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
+                 doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass."""
     dq4, dk4, dv4 = (empty_like(t) for t in (q4, k4, v4))
     with on_device_of(q4):
-        backward(q4, k4, v4, do4, lse, triton_delta(o4, do4), dq4, dk4, dv4, causal, scale)
+        backward(q4, k4, v4, do4, lse, triton_delta(o4, do4), dq4, dk4, dv4, causal, scale,
+                 masks=Masks.of(q4, window, doc_ids))
     return dq4, dk4, dv4
 
 
@@ -355,7 +420,7 @@ def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
 
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-                  t: HopperTiles) -> None:
+                  t: HopperTiles, masks: Masks = NO_MASKS) -> None:
     """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
     per (batch, key/value head) and key rows, over the query tiles of its group's heads."""
     import triton
@@ -365,16 +430,18 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     b, h, n, d = q.shape
     _check_tiles(n, t)
     descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
+    starts, ends, window = masks.arguments(lse)
     attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * k.shape[1])](
         *descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
-        _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
-        *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
-        **_meta(t, causal, h // k.shape[1]),
+        _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n), starts, ends,
+        *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e), scale,
+        **_meta(t, causal, h // k.shape[1], **masks.constexprs()),
     )
 
 
 def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-                delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, t: HopperTiles) -> None:
+                delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, t: HopperTiles,
+                masks: Masks = NO_MASKS) -> None:
     """The dQ kernel of `backward`: t.block_m query rows per consumer, key tiles of t.block_n streamed."""
     import triton
 
@@ -383,8 +450,9 @@ def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     b, h, n, d = q.shape
     _check_tiles(n, t)
     descs, indices = _backward_inputs(q, k, v, do, t.block_m, t.block_n)
+    starts, ends, window = masks.arguments(lse)
     attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
-        *descs, _output_descriptor(dq, indices[0], t.block_m), lse, delta,
-        *(x for index in indices for x in index), h, n, scale * math.log2(math.e), scale,
-        **_meta(t, causal, h // k.shape[1]),
+        *descs, _output_descriptor(dq, indices[0], t.block_m), lse, delta, starts, ends,
+        *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e), scale,
+        **_meta(t, causal, h // k.shape[1], **masks.constexprs()),
     )

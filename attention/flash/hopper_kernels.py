@@ -36,8 +36,9 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-              q_row, q_col, k_row, k_col, v_row, v_col, n_tiles,
+              q_row, q_col, k_row, k_col, v_row, v_col, first, n_tiles,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Each consumer's query rows, then key and value tiles first .. first + n_tiles - 1."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
@@ -47,33 +48,131 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
         # A fresh barrier counts as having completed the phase before its first: the first pass does not wait.
         mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot))
+        _tma_load(k_desc, [k_row + (first + j) * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot))
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [v_row + j * BLOCK_N, v_col], v_ready.index(slot), v_smem.index(slot))
+        _tma_load(v_desc, [v_row + (first + j) * BLOCK_N, v_col], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale):
-    """p = exp2(qk_scale s - m) at the new running max m; alpha rescales what was summed at the old one."""
+def _online_softmax(s, m_i, l_i, qk_scale, EMPTY_ROWS: gl.constexpr = False):
+    """p = exp2(qk_scale s - m) at the new running max m; alpha rescales what was summed at the old one.
+
+    EMPTY_ROWS: a row may have seen no key yet (a window or documents masked all it has seen); its max stays -inf
+    and it is shifted by 0, so that its p and alpha are 0, not NaN."""
     # qk_scale > 0, so max(s) * qk_scale == max(s * qk_scale), and the subtraction fuses into one FMA per score.
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
+    shift = m_new
+    if EMPTY_ROWS:
+        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - shift[:, None])
+    alpha = gl.exp2(m_i - shift)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
 
 
-@gluon.jit
-def _causal_mask(s, rows, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    return gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+# ----------------------------------------------------------------------------------------------------------
+# Masks. Beyond causal, a window and documents (WINDOW, DOCS) decide which keys a query sees. Per block of rows,
+# the tiles of the other side that some row needs are streamed, [lo, hi); those that every row sees whole,
+# [full_lo, full_hi), run unmasked; only the tiles between are masked. START and END give each position's document
+# bounds (int32 (batch, seq), attention.masks.doc_bounds), moved to the program's sequence.
+# ----------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
-def _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows, qk_scale,
-              MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Tile j's scores and softmax, overlapped with tile j-1's P V; returns the state after both."""
+def _tile_range(first, last, N, window, START, END, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                DOCS: gl.constexpr, ROWS_ARE_QUERIES: gl.constexpr, BLOCK: gl.constexpr):
+    """(lo, full_lo, full_hi, hi) in tiles of BLOCK: for query rows first..last the key tiles they see, for key rows
+    the query tiles that see them; [lo, hi) every tile some row needs, [full_lo, full_hi) the tiles every row sees
+    whole (lo <= full_lo <= full_hi <= hi)."""
+    lo = first * 0
+    full_lo = first * 0
+    hi = N + first * 0
+    full_hi = N + first * 0
+    if ROWS_ARE_QUERIES:
+        if CAUSAL:
+            hi = last + 1
+            full_hi = first + 1
+        if WINDOW:
+            lo = gl.maximum(first - window + 1, 0)
+            full_lo = gl.maximum(last - window + 1, 0)
+            if not CAUSAL:
+                hi = gl.minimum(hi, last + window)
+                full_hi = gl.minimum(full_hi, first + window)
+    else:
+        if CAUSAL:
+            lo = first
+            full_lo = last
+        if WINDOW:
+            hi = gl.minimum(hi, last + window)
+            full_hi = gl.minimum(full_hi, first + window)
+            if not CAUSAL:
+                lo = gl.maximum(first - window + 1, 0)
+                full_lo = gl.maximum(last - window + 1, 0)
+    if DOCS:  # documents are runs of positions: the rows see the other side from first's document to last's
+        lo = gl.maximum(lo, gl.load(START + first))
+        hi = gl.minimum(hi, gl.load(END + last))
+        full_lo = gl.maximum(full_lo, gl.load(START + last))
+        full_hi = gl.minimum(full_hi, gl.load(END + first))
+    lo = lo // BLOCK
+    hi = gl.cdiv(hi, BLOCK)
+    full_lo = gl.minimum(gl.maximum(gl.cdiv(full_lo, BLOCK), lo), hi)
+    full_hi = gl.maximum(gl.minimum(full_hi // BLOCK, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _keep(q_idx, k_idx, q_start, k_start, window, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr):
+    """Whether query q_idx sees key k_idx (broadcast shapes); q_start, k_start: their documents' first positions."""
+    diff = q_idx - k_idx
+    if WINDOW:
+        if CAUSAL:
+            keep = (diff >= 0) & (diff < window)
+        else:
+            keep = (diff < window) & (diff > -window)
+    elif CAUSAL:
+        keep = diff >= 0
+    else:
+        keep = q_start == k_start  # documents alone
+    if DOCS and (WINDOW or CAUSAL):
+        keep = keep & (q_start == k_start)
+    return keep
+
+
+@gluon.jit
+def _doc_starts(START, idx, DOCS: gl.constexpr):
+    """The first position of each idx's document (idx itself without documents, where it is never read)."""
+    if DOCS:
+        return gl.load(START + idx)
+    return idx
+
+
+@gluon.jit
+def _row_mask(s, rows, row_start, k0, START, window, other: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """s (query rows x keys k0 ..) with the scores the rows do not see set to `other`."""
+    cols = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keep = _keep(rows[:, None], cols[None, :], row_start[:, None], _doc_starts(START, cols, DOCS)[None, :], window,
+                 CAUSAL, WINDOW, DOCS)
+    return gl.where(keep, s, other)
+
+
+@gluon.jit
+def _key_mask(pt, keys, key_start, q0, START, window, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              DOCS: gl.constexpr, BLOCK_N: gl.constexpr, st_layout: gl.constexpr):
+    """pt (key rows x queries q0 ..) with the entries of keys the queries do not see set to 0."""
+    cols = q0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
+    keep = _keep(cols[None, :], keys[:, None], _doc_starts(START, cols, DOCS)[None, :], key_start[:, None], window,
+                 CAUSAL, WINDOW, DOCS)
+    return gl.where(keep, pt, 0.0)
+
+
+@gluon.jit
+def _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows, row_start, first, START,
+              window, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Streamed tile j's (key tile first + j) scores and softmax, overlapped with tile j-1's P V; returns the state
+    after both."""
     slot = j % STAGES
     prev = (j - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -84,8 +183,9 @@ def _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i
     # wgmma groups retire in order: with one left in flight, the score matmul is done and P V may still run.
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     if MASK:
-        s = _causal_mask(s, rows, j, BLOCK_N, s_layout)
-    p32, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
+        s = _row_mask(s, rows, row_start, (first + j) * BLOCK_N, START, window, float("-inf"), CAUSAL, WINDOW, DOCS,
+                      BLOCK_N, s_layout)
+    p32, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, MASK and (WINDOW or DOCS))
     # p is in the deps so that its registers stay reserved until the matmul reading them has retired.
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
     mbarrier.arrive(kv_empty.index(prev), count=1)
@@ -95,11 +195,14 @@ def _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i
 
 
 @gluon.jit
-def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_col, first_row, lse_row, n_tiles,
-            qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Attention of one consumer's BLOCK_M query rows, written out; returns how many key tiles it released."""
+def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_col, first_row, lse_row,
+            lo, full_lo, full_hi, hi, first, START, window, qk_scale, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+            DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Attention of one consumer's BLOCK_M query rows over streamed key tiles [lo, hi) (key tiles first + lo ..),
+    masked outside [full_lo, full_hi), written out."""
     dtype: gl.constexpr = o_desc.dtype
     D: gl.constexpr = o_desc.block_type.shape[1]
+    VARIANT: gl.constexpr = WINDOW or DOCS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -108,43 +211,46 @@ def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_c
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     rows = first_row + gl.arange(0, BLOCK_M, layout=row_s)  # query positions in the sequence
-    if CAUSAL:
-        n_full = first_row // BLOCK_N  # key tiles every row of this consumer sees whole
-        n_mine = gl.cdiv(first_row + BLOCK_M, BLOCK_N)  # key tiles it needs; the program may load more
-    else:
-        n_full = n_tiles
-        n_mine = n_tiles
-
+    row_start = _doc_starts(START, rows, DOCS)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
 
-    # Tile 0: scores and softmax only; its P V is issued beside tile 1's scores (or after the loops).
-    mbarrier.wait(k_ready.index(0), 0)
+    # Tile lo: scores and softmax only; its P V is issued beside the next tile's scores (or after the loops).
+    mbarrier.wait(k_ready.index(lo % STAGES), (lo // STAGES) & 1)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q, k_smem.index(lo % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-    if CAUSAL:
-        if n_full == 0:
-            s = _causal_mask(s, rows, 0, BLOCK_N, s_layout)
-    p32, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale)
+    if CAUSAL or VARIANT:
+        if (lo < full_lo) | (lo >= full_hi):
+            s = _row_mask(s, rows, row_start, (first + lo) * BLOCK_N, START, window, float("-inf"), CAUSAL, WINDOW,
+                          DOCS, BLOCK_N, s_layout)
+    p32, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, VARIANT)
     p = gl.convert_layout(p32.to(dtype), p_layout)
 
-    for j in range(1, n_full):
-        acc, p, m_i, l_i = _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
-                                     qk_scale, False, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
-    if CAUSAL:  # the diagonal band
-        for j in range(gl.maximum(n_full, 1), n_mine):
+    if VARIANT:  # tiles before the whole ones (the window's far edge, the document's start)
+        for j in range(lo + 1, full_lo):
             acc, p, m_i, l_i = _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
-                                         qk_scale, True, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+                                         row_start, first, START, window, qk_scale, True, CAUSAL, WINDOW, DOCS,
+                                         BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+    for j in range(gl.maximum(full_lo, lo + 1), full_hi):
+        acc, p, m_i, l_i = _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
+                                     row_start, first, START, window, qk_scale, False, CAUSAL, WINDOW, DOCS,
+                                     BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+    if CAUSAL or VARIANT:  # the diagonal band, and tiles past the whole ones
+        for j in range(gl.maximum(full_hi, lo + 1), hi):
+            acc, p, m_i, l_i = _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
+                                         row_start, first, START, window, qk_scale, True, CAUSAL, WINDOW, DOCS,
+                                         BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
 
-    last = n_mine - 1
+    last = hi - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
     mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
 
-    # Every row saw at least one key (causal row r sees key 0), so l_i > 0.
+    # Every row saw at least one key (causal row r sees key r; windows and documents include the row itself), so
+    # l_i > 0.
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     # This consumer's rows of Q are dead (its last score matmul retired): they hold O on its way out.
     q.store(o.to(dtype))
@@ -153,37 +259,45 @@ def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_c
     lse = (m_i + gl.log2(l_i)) * LN2  # log2 -> natural log
     gl.store(L + lse_row + gl.arange(0, BLOCK_M, layout=row_s), lse)
     tma.store_wait(pendings=0)
-    return n_mine
 
 
 @gluon.jit
-def _release(ready, empty, lo, hi, STAGES: gl.constexpr):
-    """Give back streamed tiles [lo, hi) this consumer does not use, once loaded."""
+def _release(ready, empty, lo, hi, STAGES: gl.constexpr, also_ready=None):
+    """Give back streamed tiles [lo, hi) this consumer does not use, once loaded (with also_ready: by both
+    barriers)."""
     for i in range(lo, hi):
         mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+        if also_ready is not None:
+            mbarrier.wait(also_ready.index(i % STAGES), (i // STAGES) & 1)
         mbarrier.arrive(empty.index(i % STAGES), count=1)
 
 
 @gluon.jit
-def _consumer(o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0, lse_base, N,
-              n_tiles, qk_scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
+              lse_base, N, first, n_tiles, window, qk_scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
     first_row = m0 + CONSUMER * BLOCK_M
     mbarrier.wait(q_ready, 0)
+    # Streamed tiles before and after this consumer's own (causal, windows, documents) are still loaded for the
+    # others: released once loaded, so an arrival never counts toward a slot's previous use.
     if first_row < N:  # the last program's last consumers may have no rows (N % BLOCK_M == 0)
-        n_done = _attend(o_desc, L, q_smem.index(CONSUMER), k_smem, v_smem, k_ready, v_ready, kv_empty,
-                         q_row + CONSUMER * BLOCK_M, q_col, first_row, lse_base + CONSUMER * BLOCK_M, n_tiles,
-                         qk_scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        lo, full_lo, full_hi, hi = _tile_range(first_row, first_row + BLOCK_M - 1, N, window, START, END, CAUSAL,
+                                               WINDOW, DOCS, True, BLOCK_N)
+        _release(k_ready, kv_empty, 0, lo - first, STAGES, v_ready)
+        _attend(o_desc, L, q_smem.index(CONSUMER), k_smem, v_smem, k_ready, v_ready, kv_empty,
+                q_row + CONSUMER * BLOCK_M, q_col, first_row, lse_base + CONSUMER * BLOCK_M, lo - first,
+                full_lo - first, full_hi - first, hi - first, first, START, window, qk_scale, CAUSAL, WINDOW, DOCS,
+                BLOCK_M, BLOCK_N, STAGES)
+        n_done = hi - first
     else:
-        n_done = 0
-    # Tiles past this consumer's last row (causal) are still loaded for the others: release them once loaded, so
-    # an arrival never counts toward a slot's previous use.
-    _release(v_ready, kv_empty, n_done, n_tiles, STAGES)
+        n_done = first * 0
+    _release(k_ready, kv_empty, n_done, n_tiles, STAGES, v_ready)
 
 
 @gluon.jit
-def _query_program(H, N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(b, h, bh, first query row, key tiles to stream) of a program that owns ROWS query rows.
+def _query_program(H, N, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, bh, first query row) of a program that owns ROWS query rows.
 
     The sequence is the grid's fastest axis: the programs running at once mostly share one head's keys and values
     in L2. Launching every head's longest programs first instead (the head index fastest) shortens the causal tail
@@ -191,33 +305,46 @@ def _query_program(H, N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.c
     """
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest rows first, for a better tail
-        n_tiles = gl.cdiv(gl.minimum((pid_m + 1) * ROWS, N), BLOCK_N)
     else:
         pid_m = gl.program_id(0)
-        n_tiles = N // BLOCK_N
     bh = gl.program_id(1)
-    return bh // H, bh % H, bh, pid_m * ROWS, n_tiles
+    return bh // H, bh % H, bh, pid_m * ROWS
+
+
+@gluon.jit
+def _key_stream(b, m0, N, window, START, END, ROWS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                DOCS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(START, END moved to sequence b, first key tile, key tiles) a program of query rows m0 .. m0 + ROWS - 1
+    streams."""
+    if DOCS:
+        START += b * N
+        END += b * N
+    lo, _, _, hi = _tile_range(m0, gl.minimum(m0 + ROWS, N) - 1, N, window, START, END, CAUSAL, WINDOW, DOCS, True,
+                               BLOCK_N)
+    return START, END, lo, hi - lo
 
 
 @gluon.jit
 def attn_fwd_hopper(
-    q_desc, k_desc, v_desc, o_desc, L,
+    q_desc, k_desc, v_desc, o_desc, L, START, END,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
-    H, N, qk_scale,
-    CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    H, N, window, qk_scale,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """O and L for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); N % BLOCK_M == N % BLOCK_N == 0.
 
     Q, K, V and O are 2-D descriptors over their storage: row b * rows_b + h * rows_h + position, column
     h * cols_h. That covers (batch, heads, seq, d) and (batch, seq, heads, d) memory alike. GROUP > 1 (GQA): query
-    head h reads key/value head h // GROUP.
+    head h reads key/value head h // GROUP. WINDOW, DOCS: a window of `window` keys, documents bounded by START and
+    END (see _tile_range).
     """
     dtype: gl.constexpr = q_desc.dtype
     D: gl.constexpr = q_desc.block_type.shape[1]
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
 
-    b, h, bh, m0, n_tiles = _query_program(H, N, ROWS, BLOCK_N, CAUSAL)
+    b, h, bh, m0 = _query_program(H, N, ROWS, CAUSAL)
+    START, END, first, n_tiles = _key_stream(b, m0, N, window, START, END, ROWS, CAUSAL, WINDOW, DOCS, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -242,26 +369,31 @@ def attn_fwd_hopper(
     # Worker partitions take no distributed tensors, so each consumer's arguments are spelled out.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
-                         lse_base, N, n_tiles, qk_scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_consumer, (o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
-                         lse_base, N, n_tiles, qk_scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
+                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M,
+                         BLOCK_N, STAGES)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
+                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M,
+                         BLOCK_N, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, n_tiles, BLOCK_N, STAGES,
-                         NUM_CONSUMERS)),
+                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, first, n_tiles, BLOCK_N,
+                         STAGES, NUM_CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
-                         lse_base, N, n_tiles, qk_scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_consumer, (o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
-                         lse_base, N, n_tiles, qk_scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_consumer, (o_desc, L, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
-                         lse_base, N, n_tiles, qk_scale, 2, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
+                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M,
+                         BLOCK_N, STAGES)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
+                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M,
+                         BLOCK_N, STAGES)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
+                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 2, CAUSAL, WINDOW, DOCS, BLOCK_M,
+                         BLOCK_N, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, n_tiles, BLOCK_N, STAGES,
-                         NUM_CONSUMERS)),
+                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, first, n_tiles, BLOCK_N,
+                         STAGES, NUM_CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -336,10 +468,12 @@ def _ring_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, qk_scale,
-                 MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 s_layout: gl.constexpr, ds_layout: gl.constexpr):
-    """Key tile i's dS, computed while tile i-1's dQ += dS K runs; returns dQ through tile i-1 and tile i's dS."""
+def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first, START, window,
+                 qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                 ds_layout: gl.constexpr):
+    """Streamed tile i's (key tile first + i) dS, computed while tile i-1's dQ += dS K runs; returns dQ through tile
+    i-1 and tile i's dS."""
     slot = i % STAGES
     prev = (i - 1) % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
@@ -351,8 +485,8 @@ def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, ro
     s = warpgroup_mma_wait(num_outstanding=2, deps=[s_tok])
     p = gl.exp2(s * qk_scale - lse2[:, None])
     if MASK:
-        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        p = _row_mask(p, rows, row_start, (first + i) * BLOCK_N, START, window, 0.0, CAUSAL, WINDOW, DOCS, BLOCK_N,
+                      s_layout)
     dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp_tok])
     ds32 = p * (dp - delta[:, None])
     dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok, ds])
@@ -361,10 +495,12 @@ def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, ro
 
 
 @gluon.jit
-def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_col, first_row, lse_row, n_tiles,
-             qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_col, first_row, lse_row,
+             lo, full_lo, full_hi, hi, first, START, window, qk_scale, scale, CAUSAL: gl.constexpr,
+             WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr):
-    """dQ of one consumer's BLOCK_M query rows, written out; returns how many key tiles it released."""
+    """dQ of one consumer's BLOCK_M query rows over streamed key tiles [lo, hi), masked outside [full_lo, full_hi),
+    written out."""
     dtype: gl.constexpr = dq_desc.dtype
     D: gl.constexpr = dq_desc.block_type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -372,42 +508,46 @@ def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_co
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    VARIANT: gl.constexpr = WINDOW or DOCS
 
     rows = first_row + gl.arange(0, BLOCK_M, layout=row_s)
+    row_start = _doc_starts(START, rows, DOCS)
     lse2 = gl.load(L + lse_row + gl.arange(0, BLOCK_M, layout=row_s)) * LOG2E
     delta = gl.load(DELTA + lse_row + gl.arange(0, BLOCK_M, layout=row_s))
-    if CAUSAL:
-        n_full = first_row // BLOCK_N
-        n_mine = gl.cdiv(first_row + BLOCK_M, BLOCK_N)
-    else:
-        n_full = n_tiles
-        n_mine = n_tiles
     dq = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
 
-    # Tile 0: its dS only; its dQ matmul is issued beside tile 1's score matmuls (or after the loops).
-    mbarrier.wait(ready.index(0), 0)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+    # Tile lo: its dS only; its dQ matmul is issued beside the next tile's score matmuls (or after the loops).
+    slot = lo % STAGES
+    mbarrier.wait(ready.index(slot), (lo // STAGES) & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)),
                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(do, v_smem.index(0).permute((1, 0)),
+    dp_tok = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     p = gl.exp2(s * qk_scale - lse2[:, None])
-    if CAUSAL:
-        if n_full == 0:
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+    if CAUSAL or VARIANT:
+        if (lo < full_lo) | (lo >= full_hi):
+            p = _row_mask(p, rows, row_start, (first + lo) * BLOCK_N, START, window, 0.0, CAUSAL, WINDOW, DOCS,
+                          BLOCK_N, s_layout)
     dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
     ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
 
-    for i in range(1, n_full):
-        dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, qk_scale,
-                              False, BLOCK_M, BLOCK_N, STAGES, s_layout, ds_layout)
-    if CAUSAL:  # the diagonal band
-        for i in range(gl.maximum(n_full, 1), n_mine):
-            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, qk_scale,
-                                  True, BLOCK_M, BLOCK_N, STAGES, s_layout, ds_layout)
+    if VARIANT:  # tiles before the whole ones
+        for i in range(lo + 1, full_lo):
+            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first,
+                                  START, window, qk_scale, True, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
+                                  s_layout, ds_layout)
+    for i in range(gl.maximum(full_lo, lo + 1), full_hi):
+        dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first,
+                              START, window, qk_scale, False, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
+                              s_layout, ds_layout)
+    if CAUSAL or VARIANT:  # the diagonal band, and tiles past the whole ones
+        for i in range(gl.maximum(full_hi, lo + 1), hi):
+            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first,
+                                  START, window, qk_scale, True, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
+                                  s_layout, ds_layout)
 
-    last = n_mine - 1
+    last = hi - 1
     dq_tok = warpgroup_mma(ds, k_smem.index(last % STAGES), dq, is_async=True)
     dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok, ds])
     mbarrier.arrive(empty.index(last % STAGES), count=1)
@@ -417,34 +557,40 @@ def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_co
     fence_async_shared()
     _tma_store(dq_desc, [q_row, q_col], q)
     tma.store_wait(pendings=0)
-    return n_mine
 
 
 @gluon.jit
-def _dq_consumer(dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col, m0,
-                 lse_base, N, n_tiles, qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _dq_consumer(dq_desc, L, DELTA, START, END, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row,
+                 q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, scale, CONSUMER: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     first_row = m0 + CONSUMER * BLOCK_M
     mbarrier.wait(res_ready, 0)
     if first_row < N:
-        n_done = _dq_rows(dq_desc, L, DELTA, q_smem.index(CONSUMER), do_smem.index(CONSUMER), k_smem, v_smem, ready,
-                          empty, q_row + CONSUMER * BLOCK_M, q_col, first_row, lse_base + CONSUMER * BLOCK_M, n_tiles,
-                          qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        lo, full_lo, full_hi, hi = _tile_range(first_row, first_row + BLOCK_M - 1, N, window, START, END, CAUSAL,
+                                               WINDOW, DOCS, True, BLOCK_N)
+        _release(ready, empty, 0, lo - first, STAGES)
+        _dq_rows(dq_desc, L, DELTA, q_smem.index(CONSUMER), do_smem.index(CONSUMER), k_smem, v_smem, ready, empty,
+                 q_row + CONSUMER * BLOCK_M, q_col, first_row, lse_base + CONSUMER * BLOCK_M, lo - first,
+                 full_lo - first, full_hi - first, hi - first, first, START, window, qk_scale, scale, CAUSAL, WINDOW,
+                 DOCS, BLOCK_M, BLOCK_N, STAGES)
+        n_done = hi - first
     else:
-        n_done = 0
+        n_done = first * 0
     _release(ready, empty, n_done, n_tiles, STAGES)
 
 
 @gluon.jit
 def attn_bwd_dq_hopper(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, L, DELTA,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, L, DELTA, START, END,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
-    H, N, qk_scale, scale,
-    CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    H, N, window, qk_scale, scale,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """dQ for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); descriptors and GROUP as in attn_fwd_hopper.
+    """dQ for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); descriptors, GROUP and the variants as in
+    attn_fwd_hopper.
 
     dQ is written through dq_desc, which indexes like q_desc.
     """
@@ -452,7 +598,8 @@ def attn_bwd_dq_hopper(
     D: gl.constexpr = q_desc.block_type.shape[1]
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
 
-    b, h, bh, m0, n_tiles = _query_program(H, N, ROWS, BLOCK_N, CAUSAL)
+    b, h, bh, m0 = _query_program(H, N, ROWS, CAUSAL)
+    START, END, first, n_tiles = _key_stream(b, m0, N, window, START, END, ROWS, CAUSAL, WINDOW, DOCS, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], do_desc.layout)
@@ -469,32 +616,38 @@ def attn_bwd_dq_hopper(
     v_row = b * v_rows_b + kv_h * v_rows_h
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
-                            m0, lse_base, N, n_tiles, qk_scale, scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
-                            m0, lse_base, N, n_tiles, qk_scale, scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, START, END, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
+                            q_row, q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, scale, 0, CAUSAL,
+                            WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, START, END, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
+                            q_row, q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, scale, 1, CAUSAL,
+                            WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
-                             q_row, q_col, do_row, h * do_cols_h, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, 0,
-                             n_tiles, STAGES, NUM_CONSUMERS)),
+                             q_row, q_col, do_row, h * do_cols_h, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h,
+                             first, n_tiles, STAGES, NUM_CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
-                            m0, lse_base, N, n_tiles, qk_scale, scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
-                            m0, lse_base, N, n_tiles, qk_scale, scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_dq_consumer, (dq_desc, L, DELTA, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty, q_row, q_col,
-                            m0, lse_base, N, n_tiles, qk_scale, scale, 2, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, START, END, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
+                            q_row, q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, scale, 0, CAUSAL,
+                            WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, START, END, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
+                            q_row, q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, scale, 1, CAUSAL,
+                            WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (dq_desc, L, DELTA, START, END, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
+                            q_row, q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, scale, 2, CAUSAL,
+                            WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, res_ready, ready, empty,
-                             q_row, q_col, do_row, h * do_cols_h, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, 0,
-                             n_tiles, STAGES, NUM_CONSUMERS)),
+                             q_row, q_col, do_row, h * do_cols_h, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h,
+                             first, n_tiles, STAGES, NUM_CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 @gluon.jit
-def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, ds, keys, first,
-                     n_band, per_head, qk_scale, CAUSAL: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
+def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, ds, keys, key_start,
+                     first, full_lo, full_hi, per_head, START, window, qk_scale, CAUSAL: gl.constexpr,
+                     WINDOW: gl.constexpr, DOCS: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
                      GROUP: gl.constexpr):
     """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs.
@@ -515,13 +668,14 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
     lse2 = lse_smem.index(slot).load(col_s) * LOG2E
     delta = delta_smem.index(slot).load(col_s)
     pt = gl.exp2(st * qk_scale - lse2[None, :])
-    if CAUSAL:
+    if CAUSAL or WINDOW or DOCS:
         j = i  # the tile's place in its head's stream (GQA streams the group's heads in turn)
         if GROUP > 1:
             j = i % per_head
-        if j < n_band:  # one loop for the band and the rest: one copy of the tile's code, a branch per tile
-            cols = (first + j) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)  # query positions
-            pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
+        # One loop for the masked tiles and the rest: one copy of the tile's code, a branch per tile.
+        if (j < full_lo) | (j >= full_hi):
+            pt = _key_mask(pt, keys, key_start, (first + j) * BLOCK_N, START, window, CAUSAL, WINDOW, DOCS, BLOCK_N,
+                           st_layout)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
@@ -554,10 +708,13 @@ def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 @gluon.jit
 def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
-               v_col, first_key, first, n_tiles, qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+               v_col, first_key, first, full_lo, full_hi, n_tiles, START, window, qk_scale, scale,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
     """dK and dV of one consumer's BLOCK_M key rows over every streamed query tile (of GROUP query heads in turn,
-    n_tiles in all), written out."""
+    n_tiles in all; query tiles first + j of each), written out. Tiles outside [full_lo, full_hi) of a head's stream
+    are masked: those of the program that lie wholly outside this consumer's keys are masked to zero, not
+    skipped."""
     dtype: gl.constexpr = dk_desc.dtype
     D: gl.constexpr = dk_desc.block_type.shape[1]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -567,14 +724,9 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
 
     keys = first_key + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    key_start = _doc_starts(START, keys, DOCS)
     last = n_tiles - 1
     per_head = n_tiles // GROUP
-    if CAUSAL:
-        # Query tiles that start before this consumer's last key hold masked scores. The program's first tiles may
-        # lie wholly above this consumer's keys: masked to zero, not skipped.
-        n_band = gl.cdiv(first_key + BLOCK_M, BLOCK_N) - first
-    else:
-        n_band = 0
     dk = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
 
@@ -588,9 +740,8 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     delta = delta_smem.index(0).load(col_s)
     st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
     pt = gl.exp2(st * qk_scale - lse2[None, :])
-    if CAUSAL:
-        cols = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-        pt = gl.where(keys[:, None] <= cols[None, :], pt, 0.0)
+    if CAUSAL or WINDOW or DOCS:
+        pt = _key_mask(pt, keys, key_start, first * BLOCK_N, START, window, CAUSAL, WINDOW, DOCS, BLOCK_N, st_layout)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(0), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
@@ -602,11 +753,13 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
         st = _next_scores(k, q_smem, ready, 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
         for i in range(1, last):
             dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                              dv, ds, keys, first, n_band, per_head, qk_scale, CAUSAL, True, BLOCK_M,
-                                              BLOCK_N, STAGES, st_layout, op_layout, GROUP)
+                                              dv, ds, keys, key_start, first, full_lo, full_hi, per_head, START,
+                                              window, qk_scale, CAUSAL, WINDOW, DOCS, True, BLOCK_M, BLOCK_N, STAGES,
+                                              st_layout, op_layout, GROUP)
         dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                          dv, ds, keys, first, n_band, per_head, qk_scale, CAUSAL, False, BLOCK_M,
-                                          BLOCK_N, STAGES, st_layout, op_layout, GROUP)  # the last: no S^T to issue
+                                          dv, ds, keys, key_start, first, full_lo, full_hi, per_head, START, window,
+                                          qk_scale, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES, st_layout,
+                                          op_layout, GROUP)  # the last: no S^T to issue
 
     dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
     dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
@@ -622,35 +775,39 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready, ready, empty,
-                   k_row, k_col, v_row, v_col, n0, N, first, n_tiles, qk_scale, scale, CONSUMER: gl.constexpr,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   GROUP: gl.constexpr):
+def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
+                   ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale,
+                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
     first_key = n0 + CONSUMER * BLOCK_M
     mbarrier.wait(res_ready, 0)
     if first_key < N:
+        _, full_lo, full_hi, _ = _tile_range(first_key, first_key + BLOCK_M - 1, N, window, START, END, CAUSAL,
+                                             WINDOW, DOCS, False, BLOCK_N)
         _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                    delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
-                   first_key, first, n_tiles, qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)
+                   first_key, first, full_lo - first, full_hi - first, n_tiles, START, window, qk_scale, scale,
+                   CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
     else:
         _release(ready, empty, 0, n_tiles, STAGES)
 
 
 @gluon.jit
 def attn_bwd_dkdv_hopper(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, START, END,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
-    H, N, qk_scale, scale,
-    CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    H, N, window, qk_scale, scale,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, key/value head), query tiles of BLOCK_N streamed.
 
     dK and dV are written through dk_desc and dv_desc, which index like k_desc and v_desc. lse_desc and delta_desc
     are 1-D descriptors over the flat (batch * heads * seq) L and delta, in blocks of BLOCK_N. H counts query heads;
     GROUP > 1 (GQA): the program streams the query tiles of its GROUP query heads one head after another, so its sum
-    over them is one consumer's, in one order (deterministic, no atomics).
+    over them is one consumer's, in one order (deterministic, no atomics). The variants as in attn_fwd_hopper: the
+    program streams the query tiles that see any of its keys.
     """
     dtype: gl.constexpr = k_desc.dtype
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -662,11 +819,13 @@ def attn_bwd_dkdv_hopper(
     h = bh % (H // GROUP)  # the key/value head
     hq = h * GROUP  # its first query head
     n0 = pid_n * ROWS
-    if CAUSAL:
-        first = n0 // BLOCK_N  # queries above the program's first key see none of its keys
-    else:
-        first = 0
-    n_tiles = N // BLOCK_N - first
+    if DOCS:
+        START += b * N
+        END += b * N
+    # Causal: queries above the program's first key see none of its keys.
+    first, _, _, hi = _tile_range(n0, gl.minimum(n0 + ROWS, N) - 1, N, window, START, END, CAUSAL, WINDOW, DOCS,
+                                  False, BLOCK_N)
+    n_tiles = hi - first
 
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], v_desc.layout)
@@ -685,12 +844,12 @@ def attn_bwd_dkdv_hopper(
     do_row = b * do_rows_b + hq * do_rows_h
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
-                              scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
-            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
-                              scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
                              GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
@@ -699,15 +858,15 @@ def attn_bwd_dkdv_hopper(
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
-                              scale, 0, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
-            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
-                              scale, 1, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
-            (_dkdv_consumer, (dk_desc, dv_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                              ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles, qk_scale,
-                              scale, 2, CAUSAL, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, 2, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
                              GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,

@@ -2,9 +2,10 @@
 
 Spills ruled out several of the Hopper kernels' tile configs (hopper.backward_tiles_for), and ptxas reports them
 without a device: `python -m attention.flash.hopper_resources` compiles the configs the dispatch picks at the
-benchmark shapes, or those given as `kind,d,consumers,block_n,stages[,causal]`:
+benchmark shapes, or those given as `kind,d,consumers,block_n,stages[,causal[,masks]]`, masks being w (a window),
+d (documents) or wd:
 
-    python -m attention.flash.hopper_resources dkdv,128,2,64,4 fwd,64,2,128,3,0
+    python -m attention.flash.hopper_resources dkdv,128,2,64,4 fwd,64,2,128,3,0 dq,64,3,64,4,1,wd
 
 The report comes from the installed Triton and its ptxas; triton 3.6 and 3.9 give different spills for the same
 source, so read it for the Triton that will run the kernels. A config without spills is not always faster (dK/dV at
@@ -38,7 +39,7 @@ DESCRIPTOR_ROWS = {
     "dq": dict(q_desc="m", k_desc="n", v_desc="n", do_desc="m", dq_desc="m"),
 }
 KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn_bwd_dq_hopper"}
-FLOAT_ARGS = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32"}
+ARG_TYPES = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32", "START": "*i32", "END": "*i32"}
 ROW_STATS = ("lse_desc", "delta_desc")  # 1-D fp32 descriptors over L and delta
 
 
@@ -48,6 +49,7 @@ class KernelResources:
     d: int
     tiles: HopperTiles
     causal: bool
+    masks: str  # "", "w", "d" or "wd": a window, documents
     shared_bytes: int
     warps: int  # launched, every partition's warps together
     registers: Optional[int]  # per thread at launch (ptxas -v); None if ptxas did not say
@@ -61,8 +63,9 @@ def _descriptor_type(rows: int, d: int, row_stats: bool) -> str:
     return f"tensordesc<bf16[{rows}, {d}],{_shared_layout(rows, d, torch.bfloat16)!r}>"
 
 
-def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True):
-    """The Triton CompiledKernel of flash's `kind` ("fwd", "dkdv" or "dq") Hopper kernel for bf16 at head dim d."""
+def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, masks: str = ""):
+    """The Triton CompiledKernel of flash's `kind` ("fwd", "dkdv" or "dq") Hopper kernel for bf16 at head dim d, with
+    `masks` ("w": a window, "d": documents, "wd": both)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -73,7 +76,7 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True):
     if kind not in KERNELS:
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
     fn = getattr(hopper_kernels, KERNELS[kind])
-    meta = _meta(tiles, causal)
+    meta = _meta(tiles, causal, window="w" in masks, docs="d" in masks)
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}
@@ -83,8 +86,8 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True):
         elif name in DESCRIPTOR_ROWS[kind]:
             signature[name] = _descriptor_type(rows[DESCRIPTOR_ROWS[kind][name]], d, name in ROW_STATS)
         else:
-            signature[name] = FLOAT_ARGS.get(name, "i32")
-            if signature[name] != "fp32":
+            signature[name] = ARG_TYPES.get(name, "i32")
+            if signature[name] != "fp32" and name != "window":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = GluonASTSource(fn, signature, meta, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -119,32 +122,33 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
-def _resources_without_interpreter(kind: str, d: int, tiles: HopperTiles, causal: bool) -> KernelResources:
+def _resources_without_interpreter(kind: str, d: int, tiles: HopperTiles, causal: bool,
+                                   masks: str) -> KernelResources:
     """resources() in a Python without TRITON_INTERPRET. With it set, triton.jit makes Triton's own library
     functions (gl.max's combine function among them) interpreter functions, which no GPU compile can use."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    spec = f"{kind},{d},{tiles.consumers},{tiles.block_n},{tiles.stages},{int(causal)}"
+    spec = f"{kind},{d},{tiles.consumers},{tiles.block_n},{tiles.stages},{int(causal)},{masks}"
     done = subprocess.run([sys.executable, "-m", "attention.flash.hopper_resources", "--json", spec], env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"compiling {spec} for sm_90 failed:\n{done.stderr[-4000:]}")
     row = json.loads(done.stdout.splitlines()[-1])
-    return KernelResources(kind, d, tiles, causal, row["shared_bytes"], row["warps"], row["registers"],
+    return KernelResources(kind, d, tiles, causal, masks, row["shared_bytes"], row["warps"], row["registers"],
                            row["spill_bytes"])
 
 
-def resources(kind: str, d: int, tiles: HopperTiles, causal: bool = True) -> KernelResources:
+def resources(kind: str, d: int, tiles: HopperTiles, causal: bool = True, masks: str = "") -> KernelResources:
     """Shared memory, warps, registers and spills of flash's `kind` Hopper kernel compiled for sm_90."""
     if kind not in KERNELS:
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
     if _interpreting():
-        return _resources_without_interpreter(kind, d, tiles, causal)
-    kernel = compile_kernel(kind, d, tiles, causal)
+        return _resources_without_interpreter(kind, d, tiles, causal, masks)
+    kernel = compile_kernel(kind, d, tiles, causal, masks)
     registers, spills = _ptxas_report(kernel.asm["ptx"])
-    return KernelResources(kind, d, tiles, causal, kernel.metadata.shared, kernel.metadata.num_warps, registers,
-                           spills)
+    return KernelResources(kind, d, tiles, causal, masks, kernel.metadata.shared, kernel.metadata.num_warps,
+                           registers, spills)
 
 
 def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
@@ -159,36 +163,45 @@ def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
     return list(dict.fromkeys(configs))
 
 
-def _parse(spec: str) -> tuple[str, int, HopperTiles, bool]:
+Config = tuple[str, int, HopperTiles, bool, str]  # kind, d, tiles, causal, masks
+MASKS = ("", "w", "d", "wd")
+
+
+def _parse(spec: str) -> Config:
     parts = spec.split(",")
-    if len(parts) not in (5, 6):
-        raise argparse.ArgumentTypeError(f"expected kind,d,consumers,block_n,stages[,causal], got {spec!r}")
+    if len(parts) not in (5, 6, 7):
+        raise argparse.ArgumentTypeError(f"expected kind,d,consumers,block_n,stages[,causal[,masks]], got {spec!r}")
     kind, d, consumers, block_n, stages = parts[0], *map(int, parts[1:5])
     if kind not in KERNELS:
         raise argparse.ArgumentTypeError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
-    return kind, d, HopperTiles(consumers, block_n, stages), parts[5] != "0" if len(parts) == 6 else True
+    masks = parts[6] if len(parts) == 7 else ""
+    if masks not in MASKS:
+        raise argparse.ArgumentTypeError(f"masks must be one of w, d, wd or empty, got {masks!r}")
+    return kind, d, HopperTiles(consumers, block_n, stages), parts[5] != "0" if len(parts) >= 6 else True, masks
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="*", type=_parse, help="kind,d,consumers,block_n,stages[,causal]")
+    parser.add_argument("configs", nargs="*", type=_parse, help="kind,d,consumers,block_n,stages[,causal[,masks]]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
     args = parser.parse_args(argv)
+    configs = args.configs or [(*config, "") for config in dispatch_configs()]
     if args.json:
-        for kind, d, t, causal in args.configs or dispatch_configs():
-            r = resources(kind, d, t, causal)
+        for kind, d, t, causal, masks in configs:
+            r = resources(kind, d, t, causal, masks)
             print(json.dumps({"kind": kind, "d": d, "consumers": t.consumers, "block_n": t.block_n,
-                              "stages": t.stages, "causal": causal, "shared_bytes": r.shared_bytes,
+                              "stages": t.stages, "causal": causal, "masks": masks, "shared_bytes": r.shared_bytes,
                               "warps": r.warps, "registers": r.registers, "spill_bytes": r.spill_bytes}), flush=True)
         return
     # spill B: bytes of spill stores plus spill loads; regs: per thread at launch
-    print(f"{'kernel':6s} {'d':>4s} {'tiles':16s} {'causal':6s} {'shared KiB':>10s} {'regs':>5s} {'spill B':>7s}")
-    for kind, d, t, causal in args.configs or dispatch_configs():
-        r = resources(kind, d, t, causal)
+    print(f"{'kernel':6s} {'d':>4s} {'tiles':16s} {'causal':6s} {'masks':5s} {'shared KiB':>10s} {'regs':>5s} "
+          f"{'spill B':>7s}")
+    for kind, d, t, causal, masks in configs:
+        r = resources(kind, d, t, causal, masks)
         tiles = f"c{t.consumers} m{t.block_m} n{t.block_n} s{t.stages}"
         regs, spills = ("?" if x is None else x for x in (r.registers, r.spill_bytes))
-        print(f"{kind:6s} {d:4d} {tiles:16s} {str(causal):6s} {r.shared_bytes / 1024:10.1f} {regs:>5} {spills:>7}",
-              flush=True)
+        print(f"{kind:6s} {d:4d} {tiles:16s} {str(causal):6s} {masks or '-':5s} {r.shared_bytes / 1024:10.1f} "
+              f"{regs:>5} {spills:>7}", flush=True)
 
 
 if __name__ == "__main__":

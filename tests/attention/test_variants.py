@@ -232,20 +232,41 @@ def test_flash_writes_every_gradient_element():
     assert (dk[..., 21:, :] == 0).all() and (dv[..., 21:, :] == 0).all()
 
 
-def test_variants_run_on_the_triton_kernels():
-    q = torch.randn(1, 4, 64, 64, dtype=torch.bfloat16, device=DEVICE)
-    for variant in ({"window": 8}, {"softcap": 30.0}, {"doc_ids": torch.zeros(64, dtype=torch.long, device=DEVICE)}):
-        choice = flash_kernels(q, q, q, True, capability=(9, 0), **variant)
-        assert (choice.forward, choice.backward) == ("triton", "triton")
-        for reason in (choice.forward_reason, choice.backward_reason):
-            assert "the Hopper kernels run plain causal/full attention and GQA" in reason
-
-
-def test_gqa_may_take_the_hopper_kernels():
+def test_softcap_runs_on_the_triton_kernels():
     q = torch.zeros(1, 8, 8192, 64, dtype=torch.bfloat16, device=DEVICE)  # 2^28 causal scores: enough
-    k = torch.zeros(1, 2, 8192, 64, dtype=torch.bfloat16, device=DEVICE)
-    choice = flash_kernels(q, k, k, True, capability=(9, 0))
-    assert (choice.forward, choice.backward) == ("hopper", "hopper"), choice
+    choice = flash_kernels(q, q, q, True, capability=(9, 0), softcap=30.0, window=8)
+    assert (choice.forward, choice.backward) == ("triton", "triton")
+    for reason in (choice.forward_reason, choice.backward_reason):
+        assert "every variant but softcap" in reason
+
+
+@pytest.mark.parametrize("variant, forward, backward", [
+    ("gqa", "hopper", "hopper"), ("window 1024", "triton", "hopper"), ("window 4096", "hopper", "hopper"),
+    ("window 64", "triton", "triton"), ("doc_ids", "triton", "triton"), ("doc_ids, replayed", "triton", "hopper"),
+    ("gqa, window 4096, doc_ids, replayed", "triton", "hopper")])
+def test_the_other_variants_take_the_hopper_backward(variant, forward, backward):
+    """The Hopper backward runs every variant but softcap, where it computes enough scores (a window counts the pairs
+    of its band; documents, unknown on the host, take it under CUDA-graph replay only). The forward of documents and of
+    short windows stays on the Triton kernels. Each choice says why."""
+    q = torch.zeros(1, 16, 16384, 64, dtype=torch.bfloat16, device=DEVICE)  # 2^31 causal scores
+    k = torch.zeros(1, 4 if "gqa" in variant else 16, 16384, 64, dtype=torch.bfloat16, device=DEVICE)
+    kwargs = {}
+    if "window" in variant:
+        kwargs["window"] = int(variant.split("window ")[1].split(",")[0])
+    if "doc_ids" in variant:
+        kwargs["doc_ids"] = torch.arange(16384, device=DEVICE) // 1000
+    choice = flash_kernels(q, k, k, True, capability=(9, 0), replayed="replayed" in variant, **kwargs)
+    assert (choice.forward, choice.backward) == (forward, backward), choice
+    if "doc_ids" in variant:
+        assert "documents run on the Triton forward" in choice.forward_reason
+        if backward == "triton":
+            assert "documents run on the Hopper kernels only under CUDA-graph replay" in choice.backward_reason
+    elif forward == "triton" and "64" not in variant:
+        assert "a window under 4096 keys runs on the Triton forward" in choice.forward_reason
+    if variant == "window 64":  # 16 heads * 16384 rows * (64 + 128) keys
+        assert "50331648 scores are too few for the Hopper kernels: below 2^28" in choice.backward_reason
+    if variant == "window 1024":
+        assert "hopper: sm_90, bf16, d 64, 301989888 scores" in choice.backward_reason
 
 
 def test_list_attention_names_the_variants_of_each_backend():

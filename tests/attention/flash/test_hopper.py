@@ -4,6 +4,8 @@ dispatch, autograd and torch.compile."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -433,3 +435,145 @@ def test_short_problems_take_the_hopper_kernels_only_when_replayed(monkeypatch):
     torch.cuda.synchronize()
     for got, want in zip(replayed, eager):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Windows and documents (with GQA): the masked tiles, the skipped ones, the per-consumer ranges
+# ----------------------------------------------------------------------------------------------------------
+
+
+def visible64(n, causal, window, doc_ids):
+    """(batch, 1, n, n) bool: which keys each query sees, written out from the definitions."""
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (i - j < window) if causal else ((i - j).abs() < window)
+    keep = keep.expand(doc_ids.shape[0] if doc_ids is not None else 1, n, n)
+    if doc_ids is not None:
+        ids = doc_ids.cpu()
+        keep = keep & (ids[:, :, None] == ids[:, None, :])
+    return keep[:, None]
+
+
+def random_doc_ids(b, n, shortest, longest, seed):
+    """(b, n) int32 non-decreasing ids: documents of random lengths in [shortest, longest]."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        lengths = torch.randint(shortest, longest + 1, (n,), generator=g)
+        rows.append(torch.repeat_interleave(torch.arange(n, dtype=torch.int32), lengths)[:n])
+    return torch.stack(rows).to(DEVICE)
+
+
+MASK_CASES = {  # name: (causal, window, documents as (shortest, longest) lengths or None)
+    "window1": (True, 1, None),
+    "window63": (True, 63, None),
+    "window200-full": (False, 200, None),
+    "window-over-seq": (True, 5000, None),
+    "docs": (True, None, (1, 300)),
+    "docs-of-1": (True, None, (1, 1)),
+    "one-doc-full": (False, None, (5000, 5000)),
+    "docs-full": (False, None, (50, 400)),
+    "window100-docs": (True, 100, (30, 500)),
+}
+THREE_CONSUMERS = {"fwd": HopperTiles(3, 128, 3), "bwd": {"dkdv": HopperTiles(2, 64, 4), "dq": HopperTiles(3, 64, 4)}}
+
+
+def test_a_window_counts_the_scores_of_the_tiles_it_visits():
+    assert hopper.scores(2, 1024, True) == 2 * 1024 * 1024 // 2
+    assert hopper.scores(2, 1024, True, window=100) == 2 * 1024 * (100 + 128)  # its band and a tile
+    assert hopper.scores(2, 1024, False, window=100) == 2 * 1024 * (200 + 128)
+    assert hopper.scores(2, 1024, True, window=4096) == hopper.scores(2, 1024, True)  # no more than without
+
+
+def test_masks_hand_the_kernels_document_bounds():
+    q = torch.zeros(2, 3, 8, 16)
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]])
+    masks = hopper.Masks.of(q, 4, doc_ids)
+    assert masks.starts.tolist() == [[0, 0, 0, 3, 3, 5, 5, 5], [0] * 8]
+    assert masks.ends.tolist() == [[3, 3, 3, 5, 5, 8, 8, 8], [8] * 8]
+    assert masks.starts.dtype == torch.int32 and masks.constexprs() == {"window": True, "docs": True}
+    assert masks.arguments(q)[2] == 4
+    dummy = torch.zeros(1)
+    assert hopper.Masks.of(q, None, None).arguments(dummy) == (dummy, dummy, 0)
+    assert hopper.NO_MASKS.constexprs() == {"window": False, "docs": False}
+
+
+@requires_hopper
+@pytest.mark.parametrize("case", list(MASK_CASES))
+@pytest.mark.parametrize("h, h_kv", [(4, 4), (4, 2), (4, 1)], ids=str)
+@pytest.mark.parametrize("d, tiles", [(64, None), (64, "three"), (128, None)], ids=["d64", "d64-c3", "d128"])
+def test_masked_forward_and_backward_match_float64(case, h, h_kv, d, tiles):
+    """Windows and documents, alone and together, causal and not, with GQA: O, L, dQ, dK, dV against float64, the
+    backward deterministic."""
+    causal, window, docs = MASK_CASES[case]
+    b, n, dtype, scale = 2, 640, torch.bfloat16, d ** -0.5
+    doc_ids = None if docs is None else random_doc_ids(b, n, *docs, seed=n + h_kv)
+    q = make_qkv(b, h, n, d, dtype, "bshd", seed=d + h_kv)[0]
+    k, v = make_qkv(b, h_kv, n, d, dtype, "bshd", seed=d + 3)[:2]
+    do = make_qkv(b, h, n, d, dtype, "bhsd", seed=d + 5)[0]
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    group = h // h_kv
+    s = q64 @ k64.repeat_interleave(group, 1).transpose(-2, -1) * scale
+    s = s.masked_fill(~visible64(n, causal, window, doc_ids), float("-inf"))
+    o64 = torch.softmax(s, dim=-1) @ v64.repeat_interleave(group, 1)
+    lse64 = torch.logsumexp(s, dim=-1)
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+
+    masks = hopper.Masks.of(q, window, doc_ids)
+    fwd_tiles = THREE_CONSUMERS["fwd"] if tiles else None
+    bwd_tiles = THREE_CONSUMERS["bwd"] if tiles else None
+    o = torch.full_like(q, float("nan"))  # every element must be written
+    lse = torch.full((b, h, n), float("nan"), device=DEVICE)
+    hopper.forward(q, k, v, o, lse, causal, scale, fwd_tiles, masks)
+    assert rel(o, o64) <= TOLERANCE[dtype], rel(o, o64)
+    assert (lse.cpu().double() - lse64.detach()).abs().max().item() < 1e-4
+
+    o_in = o64.detach().to(DEVICE, dtype)
+    lse_in = lse64.detach().to(DEVICE, torch.float32).contiguous()
+    delta = (do.float() * o_in.float()).sum(-1).contiguous()
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    hopper.backward(q, k, v, do, lse_in, delta, *grads, causal, scale, bwd_tiles, masks)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grads64):
+        if want.norm() == 0:  # every row sees itself alone (a window of 1, documents of 1): dQ is exactly 0
+            assert got.abs().max().item() < 1e-5, name
+        else:
+            assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
+    again = [torch.empty_like(t) for t in (q, k, v)]
+    hopper.backward(q, k, v, do, lse_in, delta, *again, causal, scale, bwd_tiles, masks)
+    assert all(torch.equal(a, g) for a, g in zip(again, grads))  # deterministic
+
+
+@requires_hopper
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("window, docs, passes", [(96, True, ["backward"]), (4096, False, ["backward", "forward"])],
+                         ids=["window96-docs", "window4096"])
+def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, compiled, window, docs, passes):
+    """The registry's flash with a window, and packed documents (doc_ids broadcast over two leading dims), takes the
+    Hopper backward, eager and compiled (documents: when its launches are to be replayed from a CUDA graph), and the
+    Hopper forward for a long window; it matches float64."""
+    from attention import graph_replay
+
+    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    calls = record_hopper_calls(monkeypatch)
+    torch._dynamo.reset()
+    flash = torch.compile(flash_attention, fullgraph=True) if compiled else flash_attention
+    n = 512
+    doc_ids = random_doc_ids(1, n, 20, 300, seed=3)[0] if docs else None  # (n,): the same in every sequence
+    q = randn(2, 3, 4, n, 64, seed=5, dtype=torch.bfloat16).requires_grad_()
+    k, v = (randn(2, 3, 2, n, 64, seed=s, dtype=torch.bfloat16).requires_grad_() for s in (6, 7))
+    with graph_replay() if docs else contextlib.nullcontext():  # run eagerly here: only the choice differs
+        o = flash(q, k, v, True, 0.125, window, None, doc_ids)
+        do = randn(*o.shape, seed=9, dtype=torch.bfloat16)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    assert sorted(set(calls)) == passes, calls
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.repeat_interleave(2, 2).transpose(-2, -1) * 0.125
+    s = s.masked_fill(~visible64(n, True, window, None if doc_ids is None else doc_ids[None])[0], float("-inf"))
+    o64 = torch.softmax(s, dim=-1) @ v64.repeat_interleave(2, 2)
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
+        assert rel(got, want) <= 2e-2, name

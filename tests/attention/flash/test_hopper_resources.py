@@ -60,3 +60,12 @@ def test_bad_config_is_refused():
             main([spec])
     with pytest.raises(ValueError, match="kind must be one of"):
         resources("bwd", 64, HopperTiles(2, 64, 4))
+
+
+@pytest.mark.parametrize("kind,d,tiles", CONFIGS[::2] + CONFIGS[4:5], ids=lambda x: str(x))
+def test_masked_kernels_compile_for_sm90(kind, d, tiles):
+    """The window and document masks (constexpr WINDOW, DOCS) compile, within the same shared memory."""
+    plain = resources(kind, d, tiles, causal=True)
+    masked = resources(kind, d, tiles, causal=True, masks="wd")
+    assert masked.masks == "wd" and masked.warps == plain.warps
+    assert plain.shared_bytes <= masked.shared_bytes <= H100_SHARED_BYTES
