@@ -116,13 +116,13 @@ def _record_replayed(monkeypatch) -> list[tuple[str, bool]]:
     asked: list[tuple[str, bool]] = []
     forward, backward = hopper.forward_problem, hopper.backward_problem
 
-    def forward_problem(q, k, v, causal, replayed=False, capability=None):
+    def forward_problem(q, k, v, causal, replayed=False, *rest):
         asked.append(("forward", replayed))
-        return forward(q, k, v, causal, replayed, capability)
+        return forward(q, k, v, causal, replayed, *rest)
 
-    def backward_problem(q, k, v, do, causal, replayed=False, capability=None):
+    def backward_problem(q, k, v, do, causal, replayed=False, *rest):
         asked.append(("backward", replayed))
-        return backward(q, k, v, do, causal, replayed, capability)
+        return backward(q, k, v, do, causal, replayed, *rest)
 
     monkeypatch.setattr(hopper, "forward_problem", forward_problem)
     monkeypatch.setattr(hopper, "backward_problem", backward_problem)
