@@ -127,7 +127,8 @@ def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     whether the launches will be replayed from a CUDA graph (default: inside attention.graph_replay() or a capture).
     kernels: "auto" or "triton" (default: the use_kernels() setting). capability: decide for a GPU of this
     (major, minor), e.g. (9, 0), instead of q's device. window, softcap, doc_ids: the variants of the call (the Hopper
-    kernels run all but softcap, and the forward of documents and short windows). Raises UnsupportedInputError when flash cannot run the input.
+    kernels run all but softcap; the forward of documents and of short windows stays on Triton). Raises
+    UnsupportedInputError when flash cannot run the input.
     """
     _check(q, k, v, causal, None, window, softcap, doc_ids)
     capped = softcap is not None
@@ -163,8 +164,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         replayed = launches_replayed() if replayed is None else replayed
         kernels = kernels_in_use() if kernels is None else kernels
         if _forward_problem(q4, k4, v4, causal, replayed, kernels, None, False, window, doc_ids is not None) is None:
-            o4, lse4 = (hopper_forward_op if traceable else hopper.run_forward)(q4, k4, v4, causal, scale, window,
-                                                                                _per_sequence(doc_ids, q))
+            masks = hopper.Masks.of(q, window, doc_ids)
+            run = hopper_forward_op if traceable else hopper.run_forward
+            o4, lse4 = run(q4, k4, v4, causal, scale, masks.window, masks.starts, masks.ends)
             return o4.reshape(q.shape), lse4.reshape(q.shape[:-1])
     return triton.forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
 
@@ -183,20 +185,11 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
         if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, None, False, window,
                              doc_ids is not None) is None:
             lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
-            grads = (hopper_backward_op if traceable else hopper.run_backward)(q4, k4, v4, o4, lse, do4, causal,
-                                                                               scale, window,
-                                                                               _per_sequence(doc_ids, q))
+            masks = hopper.Masks.of(q, window, doc_ids)
+            run = hopper_backward_op if traceable else hopper.run_backward
+            grads = run(q4, k4, v4, o4, lse, do4, causal, scale, masks.window, masks.starts, masks.ends)
             return tuple(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v)))
     return triton.backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, doc_ids)
-
-
-def _per_sequence(doc_ids: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
-    """doc_ids (broadcastable to q.shape[:-3] + (seq,)) as (batch, seq), batch as as_bhsd flattens q's leading
-    dims."""
-    if doc_ids is None:
-        return None
-    n = q.shape[-2]
-    return doc_ids.expand(*q.shape[:-3], n).reshape(-1, n)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,27 +341,30 @@ flash_opaque_op, flash_backward_opaque_op = _operator_pair("_opaque", traceable=
 
 @torch.library.custom_op("flash_lm::flash_attn_fwd_hopper", mutates_args=())
 def hopper_forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float,
-                      window: Optional[int] = None,
-                      doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of (batch, heads, seq, d) inputs that hopper.forward_problem accepted; doc_ids (batch, seq)."""
-    return hopper.run_forward(q4, k4, v4, causal, scale, window, doc_ids)
+                      window: Optional[int] = None, starts: Optional[torch.Tensor] = None,
+                      ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of (batch, heads, seq, d) inputs that hopper.forward_problem accepted; window, starts, ends: the
+    hopper.Masks fields."""
+    return hopper.run_forward(q4, k4, v4, causal, scale, window, starts, ends)
 
 
 @hopper_forward_op.register_fake
-def _(q4, k4, v4, causal, scale, window=None, doc_ids=None):
+def _(q4, k4, v4, causal, scale, window=None, starts=None, ends=None):
     return empty_like(q4), q4.new_empty(q4.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_lm::flash_attn_bwd_hopper", mutates_args=())
 def hopper_backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                        do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                       doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of (batch, heads, seq, d) inputs that hopper.backward_problem accepted; doc_ids (batch, seq)."""
-    return hopper.run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, doc_ids)
+                       starts: Optional[torch.Tensor] = None,
+                       ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that hopper.backward_problem accepted; window, starts, ends: the
+    hopper.Masks fields."""
+    return hopper.run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends)
 
 
 @hopper_backward_op.register_fake
-def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, doc_ids=None):
+def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None):
     return empty_like(q4), empty_like(k4), empty_like(v4)
 
 

@@ -292,10 +292,11 @@ class Masks:
 
     @staticmethod
     def of(q: torch.Tensor, window: Optional[int], doc_ids: Optional[torch.Tensor]) -> "Masks":
-        """The masks of a (batch, heads, seq, d) problem with these registry arguments."""
+        """The masks of a call with these registry arguments; q (..., heads, seq, d) as the registry takes it, its
+        leading dims flattened to the batch as as_bhsd does."""
         if doc_ids is None:
             return Masks(window)
-        starts, ends = doc_bounds(doc_ids, tuple(q.shape[:1]), q.shape[-2])
+        starts, ends = doc_bounds(doc_ids, tuple(q.shape[:-3]), q.shape[-2])
         return Masks(window, starts, ends)
 
     def arguments(self, dummy: torch.Tensor) -> tuple:
@@ -385,25 +386,26 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
 
 
 def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float,
-                window: Optional[int] = None,
-                doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                window: Optional[int] = None, starts: Optional[torch.Tensor] = None,
+                ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of (batch, heads, seq, d) inputs that forward_problem accepted: o in q's memory order, lse fp32.
-    window, doc_ids: as the registry takes them."""
+    window, starts, ends: the Masks fields."""
     o4 = empty_like(q4)
     lse = empty(tuple(q4.shape[:-1]), torch.float32, q4.device)
     with on_device_of(q4):
-        forward(q4, k4, v4, o4, lse, causal, scale, masks=Masks.of(q4, window, doc_ids))
+        forward(q4, k4, v4, o4, lse, causal, scale, masks=Masks(window, starts, ends))
     return o4, lse
 
 
 def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                  do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                 doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 starts: Optional[torch.Tensor] = None,
+                 ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass."""
     dq4, dk4, dv4 = (empty_like(t) for t in (q4, k4, v4))
     with on_device_of(q4):
         backward(q4, k4, v4, do4, lse, triton_delta(o4, do4), dq4, dk4, dv4, causal, scale,
-                 masks=Masks.of(q4, window, doc_ids))
+                 masks=Masks(window, starts, ends))
     return dq4, dk4, dv4
 
 
