@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
                    help="capture the whole step (forward, backward, clipping, AdamW) once as a CUDA graph and replay "
                         "it: no host time per step. One CUDA device, bf16 or fp32; the first 2 steps run eagerly. "
-                        "Default on where it applies (CUDA, one process, no --pack-documents, no activation "
-                        "checkpointing, not fp16)")
+                        "Default on where it applies (CUDA, one process, no activation checkpointing, not fp16); "
+                        "with --pack-documents each batch's document ids are an input of the graph")
     o.add_argument("--fp8", choices=list(fp8.RECIPES), default="off",
                    help="the blocks' Linear layers in float8 through torchao (training/fp8.py): tensorwise or rowwise "
                         "scaling; needs --dtype bf16 and a GPU with float8 matmuls (emulated on the CPU)")
@@ -145,8 +145,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     device = cli.check_device(p, args.device, args.parallel)
     cli.check_dist_timeout(p, args)
     speed = speed_defaults.choose(device, dtype=args.dtype, compile=args.compile, cuda_graph=args.cuda_graph,
-                                  parallel=args.parallel, pack_documents=args.pack_documents,
-                                  activation_checkpointing=args.activation_checkpointing)
+                                  parallel=args.parallel, activation_checkpointing=args.activation_checkpointing)
     args.dtype, args.compile, args.cuda_graph = speed.dtype, speed.compile, speed.cuda_graph
     cli.check_step_flags(p, device, args.parallel, [args.dtype], args.cuda_graph, args.overlap_optimizer,
                          grad_clip=args.grad_clip)

@@ -261,22 +261,49 @@ def variant_problem(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch
     return backend.variant_check(q, k, v, causal, variant)
 
 
+_MAX_ACCEPTED = 1024  # accepted call signatures kept per get_attention() function; past it the set starts again
+
+
+def _call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: Optional[int],
+                    softcap: Optional[float]) -> Optional[tuple]:
+    """Everything the checks of a call without documents read (shapes, dtypes, devices, whether gradients are
+    wanted, the arguments), so that a signature they passed once is not checked again: eager calls of short
+    sequences are bound by host time. None where calls are not cached: while compiling (the checks are traced once),
+    and for arguments of other types."""
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor \
+            or type(v) is not torch.Tensor or type(causal) is not bool or not (window is None or type(window) is int) \
+            or not (softcap is None or type(softcap) is float):
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.requires_grad,
+            k.requires_grad, v.requires_grad, torch.is_grad_enabled(), causal, window, softcap)
+
+
 def get_attention(name: str) -> AttentionFn:
     """The backend registered as `name`, wrapped with input validation."""
     if name not in _BACKENDS:
         raise UnknownBackendError(f"unknown attention backend {name!r}; valid: {', '.join(_BACKENDS)}")
     backend = _BACKENDS[name]
 
+    accepted: set[tuple] = set()  # the signatures (_call_signature) of calls the checks passed
+
     def attention(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
         window: Optional[int] = None, softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        validate_qkv(q, k, v, causal, allow_gqa=True)
-        variant = validate_variant(q, k, causal, window, softcap, doc_ids)
-        reason = (backend.environment_check() or backend.input_check(q, k, v, causal)
-                  or variant_problem(backend, q, k, v, causal, variant))
-        if reason is not None:
-            raise UnsupportedInputError(f"attention backend {name!r} cannot run this input: {reason}")
+        key = _call_signature(q, k, v, causal, window, softcap) if doc_ids is None else None
+        if key is not None and key in accepted:
+            variant = PLAIN if window is None and softcap is None else Variant(window, softcap)
+        else:
+            validate_qkv(q, k, v, causal, allow_gqa=True)
+            variant = validate_variant(q, k, causal, window, softcap, doc_ids)
+            reason = (backend.environment_check() or backend.input_check(q, k, v, causal)
+                      or variant_problem(backend, q, k, v, causal, variant))
+            if reason is not None:
+                raise UnsupportedInputError(f"attention backend {name!r} cannot run this input: {reason}")
+            if key is not None:
+                if len(accepted) >= _MAX_ACCEPTED:
+                    accepted.clear()
+                accepted.add(key)
         return backend.fn(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
                           **variant.kwargs())
 

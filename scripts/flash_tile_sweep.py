@@ -41,7 +41,7 @@ def main() -> None:
         scale = d ** -0.5
         o, lse = ft.forward(q, k, v, causal, scale)
         ft.backward(q, k, v, o, lse, do, causal, scale)
-        tuned = {kern: ft._tuned[(kern, n, n, d, causal, q.dtype, q.device)] for kern in ("fwd", "dkdv", "dq")}
+        tuned = {kern: ft._tuned[ft._tuned_key(kern, (n, n), ft._meta(q, causal), q)] for kern in ("fwd", "dkdv", "dq")}
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
         print(f"\n{(b, h, n, d, causal)} tuned {tuned}", flush=True)
         for kern in kernels:

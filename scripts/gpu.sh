@@ -20,9 +20,10 @@
 #                and during the backward (--overlap-optimizer both), ours with sdpa and flash against Hugging Face
 #                Llama in the same run:
 #                  small (batch 16, context 1024)   large (batch 4, context 1024)   2.7B (batch 4, context 512)
-#   train-variants  train.py, small, eager, bf16, flash, 300 steps on the built-in corpus as BPE (prepare_data.py):
-#                the plain model, the same with --pack-documents, and with GQA (4 kv heads), windows of 256 (LLLG),
-#                documents and a softcap of 50: losses and step times side by side
+#   train-variants  train.py, small, bf16, flash, its defaults (compiled, a CUDA graph where the run allows one), 300
+#                steps on the built-in corpus as BPE (prepare_data.py): the plain model, the same with
+#                --pack-documents, and with GQA (4 kv heads), windows of 256 (LLLG), documents and a softcap of 50:
+#                losses and step times side by side
 #   fp8          float8 training against bf16 in the same run (torchao: on a machine without network access, put
 #                its wheel in ./.wheels):
 #                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), compiled + CUDA graph,
@@ -156,7 +157,7 @@ summary_train_steps() {
 step_train_variants() {
     local dir="$OUT/train-variants" data=data/stdlib-bpe8192
     local common=(--size small --attn flash --dtype bf16 --data "$data" --steps 300 --warmup-steps 30 --log-every 25
-                  --eval-every 100 --eval-batches 10 --no-checkpoint --wandb disabled --no-compile --no-cuda-graph)
+                  --eval-every 100 --eval-batches 10 --no-checkpoint --wandb disabled)
     run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$data" || return
     run "$dir/plain.log" 240 "$PY" train.py "${common[@]}" --out "$dir/plain"
     run "$dir/packed.log" 240 "$PY" train.py "${common[@]}" --pack-documents --out "$dir/packed"
@@ -165,7 +166,7 @@ step_train_variants() {
     SUMMARIES+=(summary_train_variants)
 }
 summary_train_variants() {
-    echo "## train-variants: small, eager, bf16, flash ($OUT/train-variants/*/metrics.jsonl)"
+    echo "## train-variants: small, bf16, flash ($OUT/train-variants/*/metrics.jsonl)"
     summarize train-variants "$OUT/train-variants"
 }
 

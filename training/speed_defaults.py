@@ -21,8 +21,7 @@ class SpeedChoice:
     line: str  # e.g. "speed: bf16; compiled; CUDA graph; --no-compile and --no-cuda-graph to opt out"
 
 
-def _graph_obstacle(device: torch.device, parallel: str, dtype: str, pack_documents: bool,
-                    activation_checkpointing: bool) -> Optional[str]:
+def _graph_obstacle(device: torch.device, parallel: str, dtype: str, activation_checkpointing: bool) -> Optional[str]:
     """Why the step is not captured as a CUDA graph by default, or None."""
     if device.type != "cuda":
         return "needs CUDA"
@@ -30,16 +29,13 @@ def _graph_obstacle(device: torch.device, parallel: str, dtype: str, pack_docume
         return f"--parallel {parallel}"
     if dtype == "fp16":
         return "--dtype fp16, whose gradient scaler checks for inf on the host"
-    if pack_documents:
-        return "--pack-documents, whose document masks change with every batch"
     if activation_checkpointing:
         return "--activation-checkpointing"
     return None
 
 
 def choose(device: torch.device, *, dtype: Optional[str], compile: Optional[bool], cuda_graph: Optional[bool],
-           parallel: str = "none", pack_documents: bool = False,
-           activation_checkpointing: bool = False) -> SpeedChoice:
+           parallel: str = "none", activation_checkpointing: bool = False) -> SpeedChoice:
     """The step's precision, compilation and CUDA graph: the given values, and for each None the fast default."""
     cuda = device.type == "cuda"
     if dtype is None:
@@ -52,7 +48,7 @@ def choose(device: torch.device, *, dtype: Optional[str], compile: Optional[bool
                                         else "torch.compile is not supported here")
     graph_text = None
     if cuda_graph is None:
-        obstacle = _graph_obstacle(device, parallel, dtype, pack_documents, activation_checkpointing)
+        obstacle = _graph_obstacle(device, parallel, dtype, activation_checkpointing)
         cuda_graph = obstacle is None
         if obstacle:
             graph_text = f"no CUDA graph: {obstacle}"

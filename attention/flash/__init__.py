@@ -249,9 +249,90 @@ FlashAttentionTriton = attention_function(
     _check, flash_forward, flash_backward)
 
 
-# What the registry's "flash" runs eagerly: the registry has checked the inputs, so only the scale is left to check.
-_RegisteredFlash = attention_function("_RegisteredFlash", "FlashAttentionTriton for inputs the registry checked.",
-                                      _scale_check, flash_forward, flash_backward)
+# ----------------------------------------------------------------------------------------------------------
+# What the registry's "flash" runs eagerly
+# ----------------------------------------------------------------------------------------------------------
+# Short sequences called from eager Python are bound by host time (docs/flash.md, Host time of short sequences). The
+# first eager call of an input signature runs the general path; where that ran the Triton kernels, later calls of the
+# signature run its plan (triton.ForwardPlan): they allocate the outputs and launch the compiled kernels, without
+# choosing kernels again, looking tiles up or building arguments. The backward does the same per gradient layout.
+# Documents take the general path: their bounds are computed per call.
+
+_MAX_PLANS = 1024  # input signatures kept; past it the cache starts again
+_GENERAL = "general"  # a signature (or gradient layout) that takes the general path: the Hopper kernels run it
+# signature -> (forward plan, {gradient layout -> backward plan or _GENERAL}), or _GENERAL
+_plans: dict[tuple, object] = {}
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               window: Optional[int], softcap: Optional[float]) -> tuple:
+    """What decides an eager forward's launches: the inputs' shapes, strides, 16-byte alignment (Triton specialises
+    on it), dtype and device; the arguments; the settings choose_kernels reads; the current device."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+            q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, causal, scale, window, softcap,
+            launches_replayed(), _kernels, torch.cuda.current_device() if q.is_cuda else None)
+
+
+def _keep(cache: dict, key: tuple, value: object) -> None:
+    if len(cache) >= _MAX_PLANS:
+        cache.clear()
+    cache[key] = value
+
+
+class _RegisteredFlash(torch.autograd.Function):
+    """FlashAttentionTriton for inputs the registry checked (the scale is left to check), running each input
+    signature's plan once it has one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, window=None, softcap=None, doc_ids=None):
+        key = None if doc_ids is not None else _signature(q, k, v, causal, scale, window, softcap)
+        plans = _GENERAL if key is None else _plans.get(key)
+        if plans is None:  # the first call of this signature
+            scale = _scale_check(q, k, v, causal, scale)
+            q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
+            if _forward_problem(q4, k4, v4, causal, launches_replayed(), _kernels, None, softcap is not None,
+                                window) is None:
+                _keep(_plans, key, _GENERAL)
+                o, lse = flash_forward(q, k, v, causal, scale, window=window, softcap=softcap)
+            else:
+                o, lse, plan = triton.planned_forward(q, k, v, causal, scale, window, softcap)
+                if plan is not None:  # None: the autotuner launched it; the next call resolves the launch
+                    plans = (plan, {})
+                    _keep(_plans, key, plans)
+        elif plans is _GENERAL:
+            scale = _scale_check(q, k, v, causal, scale)
+            o, lse = flash_forward(q, k, v, causal, scale, window=window, softcap=softcap, doc_ids=doc_ids)
+        else:
+            o, lse = plans[0](q, k, v)
+        # As FlashAttentionTriton: q, k, v, o and lse saved; doc_ids too, so autograd refuses a backward after it
+        # was changed in place.
+        ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
+        ctx.backward_plans = None if plans is None or plans is _GENERAL else plans[1]
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, *doc_ids = ctx.saved_tensors
+        causal, scale, window, softcap = ctx.causal, ctx.scale, ctx.window, ctx.softcap
+        plans = ctx.backward_plans
+        if plans is not None:
+            key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, launches_replayed(), _kernels)
+            plan = plans.get(key)
+            if plan is None:  # the first backward of this signature and gradient layout
+                q4, k4, v4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do)
+                if _backward_problem(q4, k4, v4, do4, causal, launches_replayed(), _kernels, None,
+                                     softcap is not None, window) is not None:
+                    dq, dk, dv, plan = triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap)
+                    if plan is not None:
+                        _keep(plans, key, plan)
+                    return dq, dk, dv, None, None, None, None, None
+                _keep(plans, key, _GENERAL)
+            elif plan is not _GENERAL:
+                return (*plan(q, k, v, o, lse, do), None, None, None, None, None)
+        dq, dk, dv = flash_backward(q, k, v, o, lse, do, causal, scale, window=window, softcap=softcap,
+                                    doc_ids=doc_ids[0] if doc_ids else None)
+        return dq, dk, dv, None, None, None, None, None
 
 
 @register(
@@ -271,7 +352,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                   graph_replay_requested(), kernels_in_use(), window, softcap, doc_ids)[0]
     # Eager: an autograd.Function, whose host time per forward+backward measured 0.78 ms against the custom op's
     # 1.18 ms on the H100 at B4 H20 N1024; short sequences are bound by host time.
-    if window is None and softcap is None and doc_ids is None:
+    if window is None and softcap is None and doc_ids is None:  # fewer arguments: less host time in apply()
         return _RegisteredFlash.apply(q, k, v, causal, scale)
     return _RegisteredFlash.apply(q, k, v, causal, scale, window, softcap, doc_ids)
 

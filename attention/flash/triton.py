@@ -241,28 +241,37 @@ def _launchable(fn, traceable: bool):
     return torch.library.wrap_triton(fn) if traceable else fn
 
 
+def _tuned_key(kernel: str, seq_lens: tuple[int, int], meta: dict, like: torch.Tensor) -> tuple:
+    """What the autotuner keys a kernel's choice on (_AUTOTUNE_KEY and the dtypes, which follow q's), plus the
+    device: the key of _tuned."""
+    return (kernel, *seq_lens, meta["D"], meta["CAUSAL"], meta["GROUP"], meta["WINDOW"], meta["SOFTCAP"],
+            meta["DOCS"], like.dtype, like.device)
+
+
+def _grid(kernel: str, seq_lens: tuple[int, int], bh: int, own: int) -> tuple[int, int]:
+    """(tiles of the kernel's own axis, bh): the dK/dV kernel owns key tiles of `own` rows, the others query tiles."""
+    return _cdiv(seq_lens[1] if kernel == "dkdv" else seq_lens[0], own), bh
+
+
 def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, n_tensors: int, meta: dict,
-            like: torch.Tensor, tiles: Optional[Tiles], traceable: bool = False) -> None:
+            like: torch.Tensor, tiles: Optional[Tiles], traceable: bool = False) -> Optional["Launch"]:
     """Run `kernel` over a (tiles of its own axis, bh) grid, with `tiles` or the mode's choice of tiles.
 
     seq_lens is (n_q, n_k); the dK/dV kernel owns key tiles, the others query tiles. args: n_tensors tensors, then
-    numbers. `traceable`: see _launchable."""
-    n_rows_of_grid = seq_lens[1] if kernel == "dkdv" else seq_lens[0]
-    grid_block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"  # the tile each program owns
-    jit_fn = getattr(_kernels(), _KERNEL_NAMES[kernel])
+    numbers. `traceable`: see _launchable. Returns the launch resolved (see Launch), or None where the autotuner
+    or the compiler launched it."""
     if tiles is None and not interpreting() and _autotune_enabled():
-        # What the autotuner keys on (_AUTOTUNE_KEY and the dtypes, which follow q's), plus the device.
-        key = (kernel, *seq_lens, meta["D"], meta["CAUSAL"], meta["GROUP"], meta["WINDOW"], meta["SOFTCAP"],
-               meta["DOCS"], like.dtype, like.device)
+        key = _tuned_key(kernel, seq_lens, meta, like)
         tiles = _tuned.get(key)
         if tiles is None:
             # Traced, the autotuner goes to Inductor, which tunes it when the compiled code first runs and keeps the
             # choice in its own on-disk autotune cache; nothing is recorded here.
             tuner = _autotuned(kernel)
-            _launchable(tuner, traceable)[lambda m: (triton.cdiv(n_rows_of_grid, m[grid_block]), bh)](*args, **meta)
+            grid_block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"  # the tile each program owns
+            _launchable(tuner, traceable)[lambda m: _grid(kernel, seq_lens, bh, m[grid_block])](*args, **meta)
             if not traceable:
                 _tuned[key] = _tiles_of(tuner.best_config)
-            return
+            return None
     if tiles is None:
         if interpreting():
             tiles = INTERPRET_TILES[kernel]
@@ -270,14 +279,30 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, n_tens
             limit = _smem_limit(like.device.index or 0)
             tiles = _default_tiles(kernel, meta["BLOCK_D"], like.element_size(), limit)
     own = tiles.block_n if kernel == "dkdv" else tiles.block_m
-    _run(jit_fn, (_cdiv(n_rows_of_grid, own), bh), args, n_tensors,
-         {**meta, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n},
-         {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}, traceable)
+    return _run(getattr(_kernels(), _KERNEL_NAMES[kernel]), _grid(kernel, seq_lens, bh, own), args, n_tensors,
+                {**meta, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n},
+                {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}, traceable)
+
+
+class Launch:
+    """A kernel launch resolved once: the kernel for its grid, and every argument after the tensors.
+
+    `launch(*tensors)` launches it again with other tensors in the kernel's order, with no look-up. The compiled
+    kernel is specialised on each tensor's dtype and 16-byte alignment: the tensors must match those it was resolved
+    with (a tensor of the same data pointer stands for its view)."""
+
+    __slots__ = ("run", "rest")
+
+    def __init__(self, run, rest: tuple):
+        self.run, self.rest = run, rest
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        self.run(*tensors, *self.rest)
 
 
 # Compiled kernels by launch key. A launch seen before calls the compiled kernel directly, skipping triton's binding
 # and specialisation of every argument and its cache look-up: 13 against 21 us of host time per launch on the H100.
-_compiled: dict[tuple, tuple] = {}
+_compiled: dict[tuple, Launch] = {}
 _MAX_COMPILED = 4096  # distinct launches kept (shapes, dtypes, alignments); past it the cache starts again
 
 
@@ -292,25 +317,36 @@ def _launch_key(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, cons
             *[t.dtype for t in tensors], *[t.data_ptr() % 16 == 0 for t in tensors])
 
 
+def _resolved(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs: dict,
+              options: dict) -> Optional[Launch]:
+    """The Launch of jit_fn[grid](*args, **constexprs, **options): on the GPU its compiled kernel, None when it has
+    not been compiled yet; in the interpreter, the interpreted kernel."""
+    if interpreting() or not args[0].is_cuda:
+        return Launch(functools.partial(jit_fn[grid], **constexprs, **options), args[n_tensors:])
+    return _compiled.get(_launch_key(jit_fn, grid, args, n_tensors, constexprs, options, args[0].device.index))
+
+
 def _run(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs: dict, options: dict,
-         traceable: bool = False) -> None:
-    """jit_fn[grid](*args, **constexprs, **options), from the compiled kernel when this launch was seen before.
+         traceable: bool = False) -> Optional[Launch]:
+    """jit_fn[grid](*args, **constexprs, **options), from the compiled kernel when this launch was seen before;
+    returns its Launch (None when traced).
 
     args: the kernel's first n_tensors parameters are tensors, the rest up to its tl.constexpr parameters (which
     follow them in its signature) numbers."""
-    if traceable or interpreting() or not args[0].is_cuda:  # traced launches belong to the compiler; interpreted
-        _launchable(jit_fn, traceable)[grid](*args, **constexprs, **options)  # ones compile nothing
-        return
-    key = _launch_key(jit_fn, grid, args, n_tensors, constexprs, options, args[0].device.index)
-    hit = _compiled.get(key)
-    if hit is not None:
-        compiled, grid3, constants = hit
-        compiled[grid3](*args, *constants)  # every parameter, in signature order
-        return
+    if traceable:  # traced launches belong to the compiler
+        _launchable(jit_fn, traceable)[grid](*args, **constexprs, **options)
+        return None
+    launch = _resolved(jit_fn, grid, args, n_tensors, constexprs, options)
+    if launch is not None:
+        launch(*args[:n_tensors])
+        return launch
     compiled = jit_fn[grid](*args, **constexprs, **options)
     if len(_compiled) >= _MAX_COMPILED:
         _compiled.clear()
-    _compiled[key] = (compiled, (*grid, 1), tuple(constexprs[name] for name in jit_fn.arg_names[len(args):]))
+    constants = tuple(constexprs[name] for name in jit_fn.arg_names[len(args):])  # in signature order
+    launch = Launch(compiled[(*grid, 1)], (*args[n_tensors:], *constants))
+    _compiled[_launch_key(jit_fn, grid, args, n_tensors, constexprs, options, args[0].device.index)] = launch
+    return launch
 
 
 def _meta(q: torch.Tensor, causal: bool, groups: int = 1, window: Optional[int] = None,
@@ -349,6 +385,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     code inside a triton_op must. window, softcap, doc_ids: the variants (attention/registry.py); k and v may have
     fewer heads than q (GQA).
     """
+    o, lse, _ = _forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
+    return o, lse
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, tiles: Optional[Tiles],
+             traceable: bool, window: Optional[int], softcap: Optional[float],
+             doc_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Optional[Launch]]:
+    """forward(), and its launch resolved (None where the autotuner or the compiler launched it)."""
     q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     b, h, n_q, d = q4.shape
     n_k = k4.shape[-2]
@@ -362,8 +406,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
             h, n_q, n_k, qk_scale, cap_scale, cap_log2e, window_arg)
     meta = _meta(q, causal, _groups(q4, k4), window, softcap, doc_ids)
     with on_device_of(q):
-        _launch("fwd", (n_q, n_k), b * h, args, 7, meta, q, tiles, traceable)
-    return o, lse
+        launch = _launch("fwd", (n_q, n_k), b * h, args, 7, meta, q, tiles, traceable)
+    return o, lse, launch
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
@@ -373,6 +417,14 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}) replaces the
     autotuner's configs of those kernels; traceable and the variants as in `forward`. With GQA, each key/value
     head's dK/dV program sums over its query heads in turn: deterministic, no atomics."""
+    dq, dk, dv, _ = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, doc_ids)
+    return dq, dk, dv
+
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+              do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]], traceable: bool,
+              window: Optional[int], softcap: Optional[float], doc_ids: Optional[torch.Tensor]) -> tuple:
+    """(dq, dk, dv, launches): backward(), and its launches resolved (delta, dK/dV, dQ), None unless all were."""
     tiles = tiles or {}
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
@@ -385,22 +437,99 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(
         q4, tuple(q.shape[:-3]), scale, window, softcap, doc_ids, lse)
     with on_device_of(q):
-        rowsum = delta(o4, do4, traceable)
+        rowsum, delta_launch = _delta(o4, do4, traceable)
         args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
                 *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e,
                 window_arg)
-        _launch("dkdv", (n_q, n_k), b * (h // groups), args, 10, meta, q, tiles.get("dkdv"), traceable)
+        dkdv_launch = _launch("dkdv", (n_q, n_k), b * (h // groups), args, 10, meta, q, tiles.get("dkdv"), traceable)
         args = (q4, k4, v4, do4, lse, rowsum, dq4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
                 *_strides(do4), *_strides(dq4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e, window_arg)
-        _launch("dq", (n_q, n_k), b * h, args, 9, meta, q, tiles.get("dq"), traceable)
-    return dq, dk, dv
+        dq_launch = _launch("dq", (n_q, n_k), b * h, args, 9, meta, q, tiles.get("dq"), traceable)
+    launches = (delta_launch, dkdv_launch, dq_launch)
+    return dq, dk, dv, None if None in launches else launches
 
 
 def delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool = False) -> torch.Tensor:
     """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads."""
+    return _delta(o4, do4, traceable)[0]
+
+
+def _delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool) -> tuple[torch.Tensor, Optional[Launch]]:
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
-    _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
-         (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
-         {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {}, traceable)
-    return out
+    launch = _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
+                  (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
+                  {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {}, traceable)
+    return out, launch
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plans: a forward or backward resolved for one input signature
+# ----------------------------------------------------------------------------------------------------------
+# Eager calls of short sequences are bound by host time (docs/flash.md). A plan repeats a forward or backward for
+# inputs of the same shapes, strides, dtype, device and 16-byte alignment as the call it was made from: it allocates
+# the outputs and launches the compiled kernels, and does nothing else. It passes each tensor itself where the
+# kernels took its (batch, heads, seq, d) view: the same data pointer, as long as the tensor has at most 4 dims.
+
+
+def _plannable(*tensors: torch.Tensor) -> bool:
+    """Whether a plan can stand for a call on these tensors: at most 4 dims each, and on the current device (the
+    launches go to its stream)."""
+    if any(t.dim() > 4 for t in tensors):
+        return False
+    return not tensors[0].is_cuda or tensors[0].device.index == torch.cuda.current_device()
+
+
+class ForwardPlan:
+    """forward() of one input signature, resolved: `plan(q, k, v) -> (o, lse)`."""
+
+    __slots__ = ("launch", "lse_shape")
+
+    def __init__(self, launch: Launch, lse_shape: tuple[int, ...]):
+        self.launch, self.lse_shape = launch, lse_shape
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = empty_like(q)
+        lse = empty(self.lse_shape, torch.float32, q.device)
+        self.launch(q, k, v, o, lse, lse, lse)  # START and END, not read without documents, as in _variant_args
+        return o, lse
+
+
+class BackwardPlan:
+    """backward() of one input signature, resolved: `plan(q, k, v, o, lse, do) -> (dq, dk, dv)`."""
+
+    __slots__ = ("delta", "dkdv", "dq", "rowsum_shape")
+
+    def __init__(self, launches: tuple[Launch, Launch, Launch], rowsum_shape: tuple[int, ...]):
+        (self.delta, self.dkdv, self.dq), self.rowsum_shape = launches, rowsum_shape
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                 do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+        rowsum = empty(self.rowsum_shape, torch.float32, q.device)
+        self.delta(o, do, rowsum)
+        self.dkdv(q, k, v, do, lse, rowsum, dk, dv, lse, lse)
+        self.dq(q, k, v, do, lse, rowsum, dq, lse, lse)
+        return dq, dk, dv
+
+
+def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    window: Optional[int] = None,
+                    softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
+    """(o, lse) as forward() computes them without documents, and the plan that repeats the call for inputs of the
+    same signature; None where there is none yet (the autotuner launched the kernel) or can be none."""
+    o, lse, launch = _forward(q, k, v, causal, scale, None, False, window, softcap, None)
+    if launch is None or not _plannable(q, k, v):
+        return o, lse, None
+    return o, lse, ForwardPlan(launch, tuple(lse.shape))
+
+
+def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                     do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
+                     softcap: Optional[float] = None) -> tuple:
+    """(dq, dk, dv, plan): backward() without documents, and the plan that repeats it, as planned_forward.
+    lse: contiguous, as forward() makes it."""
+    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, None, False, window, softcap, None)
+    if launches is None or not _plannable(q, k, v, o, do) or not lse.is_contiguous():
+        return dq, dk, dv, None
+    return dq, dk, dv, BackwardPlan(launches, tuple(as_bhsd(o).shape[:-1]))

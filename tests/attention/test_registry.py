@@ -122,3 +122,43 @@ def test_compiled_code_guards_on_graph_replay_requested():
     with graph_replay():
         assert torch.equal(compiled(x), x + 1)
     assert torch.equal(compiled(x), x - 1)
+
+
+def test_checks_run_once_per_call_signature(monkeypatch):
+    """A signature the checks passed is not checked again; anything they read makes another signature, and an input
+    they refuse is refused every time."""
+    from attention import registry
+
+    checked = []
+
+    def input_check(q, k, v, causal):
+        checked.append(tuple(q.shape))
+        return "d_head 8 is refused" if q.shape[-1] == 8 else None
+
+    monkeypatch.setitem(registry._BACKENDS, "counting", registry.Backend(
+        "counting", lambda q, k, v, causal, scale, **variant: q * scale, "counts its checks", input_check=input_check,
+        variants=frozenset(registry.VARIANTS)))
+    attend = get_attention("counting")
+    q = torch.randn(2, 3, 16, 4)
+    for _ in range(3):
+        torch.testing.assert_close(attend(q, q, q, causal=True, scale=2.0), q * 2)
+    assert len(checked) == 1
+    calls = [dict(q=q[:1], k=q[:1], v=q[:1]), dict(causal=False), dict(window=3), dict(softcap=2.0),
+             dict(q=q.double(), k=q.double(), v=q.double()), dict(q=q.clone().requires_grad_())]
+    for n, change in enumerate(calls, start=2):
+        args = {"q": q, "k": q, "v": q, "causal": True, **change}
+        attend(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+        attend(**{"q": q, "k": q, "v": q, "causal": True, **change})
+        assert len(checked) == n, change
+    with torch.no_grad():  # whether gradients are wanted: FlexAttention refuses a CPU backward
+        attend(q.clone().requires_grad_(), q, q, causal=True)
+    assert len(checked) == len(calls) + 2
+    attend(q, q, q, causal=True, doc_ids=torch.zeros(16, dtype=torch.long))  # documents: checked on every call
+    attend(q, q, q, causal=True, doc_ids=torch.zeros(16, dtype=torch.long))
+    assert len(checked) == len(calls) + 4
+    small = torch.randn(1, 1, 4, 8)
+    for _ in range(2):
+        with pytest.raises(UnsupportedInputError, match="d_head 8 is refused"):
+            attend(small, small, small)
+    with pytest.raises(UnsupportedInputError, match="window must be an integer"):
+        attend(q, q, q, causal=True, window=0)

@@ -26,7 +26,6 @@ def test_cpu_defaults_to_fp32_eager():
     (dict(parallel="ddp"), "no CUDA graph: --parallel ddp"),
     (dict(parallel="fsdp"), "no CUDA graph: --parallel fsdp"),
     (dict(dtype="fp16"), "no CUDA graph: --dtype fp16, whose gradient scaler checks for inf on the host"),
-    (dict(pack_documents=True), "no CUDA graph: --pack-documents"),
     (dict(activation_checkpointing=True), "no CUDA graph: --activation-checkpointing"),
 ])
 def test_the_graph_stays_off_where_it_does_not_apply_and_says_why(setting, reason):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from attention import UnsupportedInputError, get_attention, list_attention, why_not
 from attention.flash import FlashAttentionTriton, Tiles, flash_backward, flash_forward, hopper, use_kernels
 from attention.flash import triton as flash_triton
+import attention.flash as flash_pkg
 from attention.flash.common import empty, nan_filled_outputs
 from tests.attention.conftest import dtype_id, randn
 
@@ -286,6 +287,81 @@ def test_autotune_pruning_respects_shared_memory_and_seq(monkeypatch):
     # Nothing fits a tiny limit: the smallest config is kept rather than none.
     monkeypatch.setattr(flash_triton, "_smem_limit", lambda device_index: 1)
     assert len(flash_triton._prune("fwd")(configs, {"Q": q, "N_Q": 4096, "N_K": 4096}, BLOCK_D=256)) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Eager plans: the second call of an input signature launches what the first resolved
+# ----------------------------------------------------------------------------------------------------------
+
+PLAN_CASES = {  # name: q, k, v shapes, a transpose of dims 1 and 2 (the (batch, seq, heads, d) layout), variants
+    "bhsd-causal": ((2, 3, 40, 16), (2, 3, 40, 16), True, {}, False),
+    "bshd-layout": ((2, 40, 3, 16), (2, 40, 3, 16), True, {}, True),
+    "3-dims-ragged": ((3, 33, 32), (3, 57, 32), False, {}, False),
+    "gqa-window-softcap": ((1, 4, 48, 16), (1, 2, 48, 16), True, {"window": 5, "softcap": 3.0}, False),
+}
+
+
+def _plan_inputs(case: str, seed: int) -> list[torch.Tensor]:
+    q_shape, kv_shape, _, _, transposed = PLAN_CASES[case]
+    tensors = [randn(*shape, seed=seed + i) for i, shape in enumerate((q_shape, kv_shape, kv_shape))]
+    return [(t.transpose(1, 2) if transposed else t).requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_a_signature_seen_before_runs_its_plan_with_the_same_results(monkeypatch, case):
+    """The first eager call resolves the launches; the second, on fresh inputs of that signature, runs them without
+    the general path, and gives bitwise what the general path gives."""
+    _, _, causal, variants, _ = PLAN_CASES[case]
+    monkeypatch.setattr(flash_pkg, "_plans", {})
+    flash = get_attention("flash")
+    first = _plan_inputs(case, seed=0)
+    o = flash(*first, causal=causal, **variants)
+    torch.autograd.grad(o, first, randn(*o.shape, seed=19))  # the plans are per gradient layout: this one's
+    assert len(flash_pkg._plans) == 1 and len(next(iter(flash_pkg._plans.values()))[1]) == 1
+    inputs = _plan_inputs(case, seed=10)
+    do = randn(*o.shape, seed=20)
+    expected = grads_of_flash(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal, None, *variants.values()),
+                              inputs, do)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the general path ran for a signature that has a plan")
+
+    for module, name in ((flash_triton, "_launch"), (flash_triton, "_delta"), (flash_pkg, "_check")):
+        monkeypatch.setattr(module, name, refused)
+    planned = grads_of_flash(lambda q, k, v: flash(q, k, v, causal=causal, **variants), inputs, do)
+    assert all(torch.equal(a, b) for a, b in zip(planned, expected))
+    assert planned[0].stride() == expected[0].stride() and planned[1].stride() == inputs[0].stride()
+
+
+def grads_of_flash(fn, inputs, do):
+    o = fn(*inputs)
+    return (o, *torch.autograd.grad(o, inputs, do))
+
+
+def test_each_signature_gets_its_own_plan(monkeypatch):
+    monkeypatch.setattr(flash_pkg, "_plans", {})
+    flash = get_attention("flash")
+    q, k, v = (randn(1, 2, 32, 16, seed=s) for s in range(3))
+    flash(q, k, v, causal=True)
+    flash(q + 1, k, v, causal=True)  # other values, same signature
+    assert len(flash_pkg._plans) == 1
+    other_signatures = [
+        dict(q=q[..., :24, :], k=k[..., :24, :], v=v[..., :24, :]),  # shape
+        dict(q=q.transpose(-1, -2).contiguous().transpose(-1, -2)),  # strides
+        dict(q=q.half(), k=k.half(), v=v.half()),  # dtype
+        dict(q=q.new_empty(q.numel() + 1)[1:].view_as(q).copy_(q)),  # 4 bytes off a 16-byte boundary
+        dict(causal=False), dict(scale=0.3), dict(window=4), dict(softcap=2.0),
+    ]
+    for n, change in enumerate(other_signatures, start=2):
+        args = {"q": q, "k": k, "v": v, "causal": True, **change}
+        flash(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+        assert len(flash_pkg._plans) == n, change
+    with use_kernels("auto"):  # the kernel setting is part of the signature
+        flash(q, k, v, causal=True)
+    assert len(flash_pkg._plans) == len(other_signatures) + 2
+    flash(q, k, v, causal=True, doc_ids=torch.tensor([0] * 16 + [1] * 16, device=q.device))  # bounds per call
+    flash(q.reshape(1, 1, 2, 32, 16), k.reshape(1, 1, 2, 32, 16), v.reshape(1, 1, 2, 32, 16), causal=True)  # 5 dims
+    assert len(flash_pkg._plans) == len(other_signatures) + 2
 
 
 # ----------------------------------------------------------------------------------------------------------
