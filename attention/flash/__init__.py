@@ -307,7 +307,7 @@ class _RegisteredFlash(torch.autograd.Function):
         # As FlashAttentionTriton: q, k, v, o and lse saved; doc_ids too, so autograd refuses a backward after it
         # was changed in place.
         ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
-        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, float(scale), window, softcap  # a plan's scale too
         ctx.backward_plans = None if plans is None or plans is _GENERAL else plans[1]
         return o
 
