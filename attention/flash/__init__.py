@@ -253,15 +253,13 @@ FlashAttentionTriton = attention_function(
 # What the registry's "flash" runs eagerly
 # ----------------------------------------------------------------------------------------------------------
 # Short sequences called from eager Python are bound by host time (docs/flash.md, Host time of short sequences). The
-# first eager call of an input signature runs the general path; where that ran the Triton kernels, later calls of the
-# signature run its plan (triton.ForwardPlan): they allocate the outputs and launch the compiled kernels, without
-# choosing kernels again, looking tiles up or building arguments. The backward does the same per gradient layout.
-# Documents take the general path: their bounds are computed per call.
+# first eager call of an input signature chooses its kernels and keeps what it launched as a plan (triton.ForwardPlan
+# or hopper.ForwardPlan); later calls of the signature run the plan: they allocate the outputs and launch the compiled
+# kernels, without choosing kernels again, looking tiles up or building arguments and descriptors. The backward does
+# the same per gradient layout. Documents take the general path: their bounds are computed per call.
 
 _MAX_PLANS = 1024  # input signatures kept; past it the cache starts again
-_GENERAL = "general"  # a signature (or gradient layout) that takes the general path: the Hopper kernels run it
-# signature -> (forward plan, {gradient layout -> backward plan or _GENERAL}), or _GENERAL
-_plans: dict[tuple, object] = {}
+_plans: dict[tuple, tuple] = {}  # signature -> (forward plan, {gradient layout -> backward plan})
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -286,29 +284,28 @@ class _RegisteredFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, window=None, softcap=None, doc_ids=None):
         key = None if doc_ids is not None else _signature(q, k, v, causal, scale, window, softcap)
-        plans = _GENERAL if key is None else _plans.get(key)
-        if plans is None:  # the first call of this signature
+        plans = None if key is None else _plans.get(key)
+        if plans is not None:
+            o, lse = plans[0](q, k, v)
+        elif key is None:
+            scale = _scale_check(q, k, v, causal, scale)
+            o, lse = flash_forward(q, k, v, causal, scale, window=window, softcap=softcap, doc_ids=doc_ids)
+        else:  # the first call of this signature
             scale = _scale_check(q, k, v, causal, scale)
             q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
             if _forward_problem(q4, k4, v4, causal, launches_replayed(), _kernels, None, softcap is not None,
                                 window) is None:
-                _keep(_plans, key, _GENERAL)
-                o, lse = flash_forward(q, k, v, causal, scale, window=window, softcap=softcap)
+                o, lse, plan = hopper.planned_forward(q, k, v, causal, scale, window)
             else:
                 o, lse, plan = triton.planned_forward(q, k, v, causal, scale, window, softcap)
-                if plan is not None:  # None: the autotuner launched it; the next call resolves the launch
-                    plans = (plan, {})
-                    _keep(_plans, key, plans)
-        elif plans is _GENERAL:
-            scale = _scale_check(q, k, v, causal, scale)
-            o, lse = flash_forward(q, k, v, causal, scale, window=window, softcap=softcap, doc_ids=doc_ids)
-        else:
-            o, lse = plans[0](q, k, v)
+            if plan is not None:  # None: the autotuner launched it (the next call resolves the launch), or > 4 dims
+                plans = (plan, {})
+                _keep(_plans, key, plans)
         # As FlashAttentionTriton: q, k, v, o and lse saved; doc_ids too, so autograd refuses a backward after it
         # was changed in place.
         ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
         ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, float(scale), window, softcap  # a plan's scale too
-        ctx.backward_plans = None if plans is None or plans is _GENERAL else plans[1]
+        ctx.backward_plans = None if plans is None else plans[1]
         return o
 
     @staticmethod
@@ -319,17 +316,18 @@ class _RegisteredFlash(torch.autograd.Function):
         if plans is not None:
             key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, launches_replayed(), _kernels)
             plan = plans.get(key)
-            if plan is None:  # the first backward of this signature and gradient layout
-                q4, k4, v4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do)
-                if _backward_problem(q4, k4, v4, do4, causal, launches_replayed(), _kernels, None,
-                                     softcap is not None, window) is not None:
-                    dq, dk, dv, plan = triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap)
-                    if plan is not None:
-                        _keep(plans, key, plan)
-                    return dq, dk, dv, None, None, None, None, None
-                _keep(plans, key, _GENERAL)
-            elif plan is not _GENERAL:
+            if plan is not None:
                 return (*plan(q, k, v, o, lse, do), None, None, None, None, None)
+            # The first backward of this signature and gradient layout.
+            q4, k4, v4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do)
+            if _backward_problem(q4, k4, v4, do4, causal, launches_replayed(), _kernels, None, softcap is not None,
+                                 window) is None:
+                dq, dk, dv, plan = hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window)
+            else:
+                dq, dk, dv, plan = triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap)
+            if plan is not None:
+                _keep(plans, key, plan)
+            return dq, dk, dv, None, None, None, None, None
         dq, dk, dv = flash_backward(q, k, v, o, lse, do, causal, scale, window=window, softcap=softcap,
                                     doc_ids=doc_ids[0] if doc_ids else None)
         return dq, dk, dv, None, None, None, None, None

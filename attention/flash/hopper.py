@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from attention.flash.common import empty, empty_like, on_device_of
+from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
+from attention.flash.triton import Launch, delta_and_launch, plannable
 from attention.flash.triton import delta as triton_delta
 from attention.masks import doc_bounds
 
@@ -24,8 +25,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
 MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
-# Scores are batch * heads * n^2, halved when causal. At 2^27 (B1 H16 N4096 causal) the kernel takes 0.12 ms, and
-# the Gluon launch's host time decides: 114-147 us per call against 72-95 us for the Triton kernel's on the H100.
+# Scores are batch * heads * n^2, halved when causal. Below this, eager calls keep the Triton kernels: their host time
+# per call is the shorter, and it decides. Eager calls run planned launches (docs/flash.md); with the Hopper backward
+# forced, a forward+backward took 0.43-0.75 ms at B16 H12 N1024 and B1 H16 N4096 on the H100, against 0.47-0.60 ms
+# with the Triton one (results/h100/2026-11-26-flash-host-time-hopper.txt).
 MIN_SCORES = 2**28
 # Launches replayed from a CUDA graph (attention.graph_replay, or a capture in progress) cost no host time per call,
 # so the GPU time alone decides. Graphed on the H100, the Hopper backward took 11-23% less time than the Triton one
@@ -317,10 +320,17 @@ def _check_tiles(n: int, t: HopperTiles) -> None:
         raise ValueError(f"sequence length {n} is not a multiple of the tiles {t.block_m} and {t.block_n}")
 
 
+def _launch_of(jit_fn, kernel, grid: tuple[int, int], args: tuple, n_tensors: int, meta: dict) -> Launch:
+    """The Launch of a kernel the JIT has just launched: its compiled kernel for the grid, the arguments after the
+    first n_tensors, and the constants in signature order."""
+    return Launch(kernel[(*grid, 1)], (*args[n_tensors:], *(meta[name] for name in jit_fn.arg_names[len(args):])))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-            scale: float, tiles: Optional[HopperTiles] = None, masks: Masks = NO_MASKS) -> None:
+            scale: float, tiles: Optional[HopperTiles] = None, masks: Masks = NO_MASKS) -> tuple[Launch, tuple]:
     """Write o (q's memory order) and lse ((batch * heads, seq) fp32, natural log) for accepted inputs; k and v may
-    have fewer heads than q (GQA: a divisor of q's)."""
+    have fewer heads than q (GQA: a divisor of q's). Returns the launch resolved and its descriptors of q, k, v, o
+    (see ForwardPlan)."""
     import triton
 
     from attention.flash.hopper_kernels import attn_fwd_hopper
@@ -332,11 +342,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     k_desc, k_index = _descriptor(k, t.block_n)
     v_desc, v_index = _descriptor(v, t.block_n)
     starts, ends, window = masks.arguments(lse)
-    attn_fwd_hopper[(triton.cdiv(n, t.rows), b * h)](
-        q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m), lse, starts, ends,
-        *q_index, *k_index, *v_index, h, n, window, scale * math.log2(math.e),
-        **_meta(t, causal, h // k.shape[1], **masks.constexprs()),
-    )
+    descs = (q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m))
+    grid = (triton.cdiv(n, t.rows), b * h)
+    args = (*descs, lse, starts, ends, *q_index, *k_index, *v_index, h, n, window, scale * math.log2(math.e))
+    meta = _meta(t, causal, h // k.shape[1], **masks.constexprs())
+    return _launch_of(attn_fwd_hopper, attn_fwd_hopper[grid](*args, **meta), grid, args, 7, meta), descs
 
 
 def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[str, HopperTiles]:
@@ -364,9 +374,10 @@ def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-             tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS) -> None:
+             tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS) -> tuple:
     """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted; k and v may have
-    fewer heads than q (GQA).
+    fewer heads than q (GQA). Returns the launches resolved with their descriptors: (dK/dV launch, its descriptors
+    of q, k, v, dO, dK, dV, L, delta; dQ launch, its descriptors of q, k, v, dO, dQ) (see BackwardPlan).
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
@@ -378,11 +389,12 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     main = torch.cuda.current_stream(q.device)
     side = _side_stream(q.device.index or 0)
     side.wait_stream(main)  # the inputs, delta included, are written on main
-    backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks)
+    dkdv = backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks)
     with torch.cuda.stream(side):
-        backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"], masks)
+        dq_pass = backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"], masks)
     # Main waits for dQ before anything later runs, so no tensor the dQ kernel touches is freed or reused under it.
     main.wait_stream(side)
+    return (*dkdv, *dq_pass)
 
 
 def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float,
@@ -409,6 +421,87 @@ def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     return dq4, dk4, dv4
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Plans: a Hopper forward or backward resolved for one input signature (triton.py's plans say why)
+# ----------------------------------------------------------------------------------------------------------
+# Eager, a Hopper backward spent 0.67 ms of host time building 13 TMA descriptors and binding two launches through
+# Triton's JIT (H100, B4 H20 N1024). A plan keeps the compiled kernels and the descriptors: each call points the
+# descriptors at its tensors (the launch encodes a descriptor when it is made, so the objects can be reused; the
+# signature fixes everything else they hold) and launches. A plan's descriptors are its own: one call at a time.
+
+
+def _pointed_at(descs: tuple, tensors: tuple) -> tuple:
+    """descs, each now describing the tensor in its place (the same shape, strides and alignment as before)."""
+    for desc, t in zip(descs, tensors):
+        desc.base = t
+    return descs
+
+
+class ForwardPlan:
+    """forward() of one input signature, resolved: `plan(q, k, v) -> (o, lse)`."""
+
+    __slots__ = ("launch", "descs", "lse_shape")
+
+    def __init__(self, launch: Launch, descs: tuple, lse_shape: tuple[int, ...]):
+        self.launch, self.descs, self.lse_shape = launch, descs, lse_shape
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = empty_like(q)
+        lse = empty(self.lse_shape, torch.float32, q.device)
+        self.launch(*_pointed_at(self.descs, (q, k, v, o)), lse, lse, lse)  # START, END: not read without documents
+        return o, lse
+
+
+class BackwardPlan:
+    """The delta pre-pass and backward() of one input signature, resolved: `plan(q, k, v, o, lse, do)`."""
+
+    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape")
+
+    def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...]):
+        self.delta, self.delta_shape = delta, delta_shape
+        self.dkdv, self.dkdv_descs, self.dq, self.dq_descs = resolved
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                 do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+        delta = empty(self.delta_shape, torch.float32, q.device)
+        self.delta(o, do, delta)
+        main = torch.cuda.current_stream()  # as backward(): dQ beside dK/dV on a second stream
+        side = _side_stream(q.device.index or 0)
+        side.wait_stream(main)
+        self.dkdv(*_pointed_at(self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta)), lse, lse)
+        with torch.cuda.stream(side):
+            self.dq(*_pointed_at(self.dq_descs, (q, k, v, do, dq)), lse, delta, lse, lse)
+        main.wait_stream(side)
+        return dq, dk, dv
+
+
+def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
+    """(o, lse) of inputs (shaped as the registry takes them) that forward_problem accepted without documents, and
+    the plan that repeats the call for inputs of the same signature (None where there can be none)."""
+    o = empty_like(q)
+    lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
+    with on_device_of(q):
+        launch, descs = forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, causal, scale,
+                                masks=Masks(window))
+    return o, lse, ForwardPlan(launch, descs, tuple(lse.shape)) if plannable(q, k, v) else None
+
+
+def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                     do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None) -> tuple:
+    """(dq, dk, dv, plan) of inputs that backward_problem accepted without documents, as planned_forward; lse
+    contiguous, as the forwards make it."""
+    q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    with on_device_of(q):
+        delta, delta_launch = delta_and_launch(o4, do4)
+        resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
+                            masks=Masks(window))
+    usable = delta_launch is not None and plannable(q, k, v, o, do) and lse.is_contiguous()
+    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape)) if usable else None
+
+
 @functools.cache
 def _side_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device_index)
@@ -422,7 +515,7 @@ def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
 
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-                  t: HopperTiles, masks: Masks = NO_MASKS) -> None:
+                  t: HopperTiles, masks: Masks = NO_MASKS) -> tuple[Launch, tuple]:
     """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
     per (batch, key/value head) and key rows, over the query tiles of its group's heads."""
     import triton
@@ -433,17 +526,18 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     _check_tiles(n, t)
     descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
     starts, ends, window = masks.arguments(lse)
-    attn_bwd_dkdv_hopper[(triton.cdiv(n, t.rows), b * k.shape[1])](
-        *descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
-        _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n), starts, ends,
-        *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e), scale,
-        **_meta(t, causal, h // k.shape[1], **masks.constexprs()),
-    )
+    descs = (*descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
+             _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n))
+    grid = (triton.cdiv(n, t.rows), b * k.shape[1])
+    args = (*descs, starts, ends, *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e),
+            scale)
+    meta = _meta(t, causal, h // k.shape[1], **masks.constexprs())
+    return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 10, meta), descs
 
 
 def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                 delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, t: HopperTiles,
-                masks: Masks = NO_MASKS) -> None:
+                masks: Masks = NO_MASKS) -> tuple[Launch, tuple]:
     """The dQ kernel of `backward`: t.block_m query rows per consumer, key tiles of t.block_n streamed."""
     import triton
 
@@ -453,8 +547,9 @@ def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     _check_tiles(n, t)
     descs, indices = _backward_inputs(q, k, v, do, t.block_m, t.block_n)
     starts, ends, window = masks.arguments(lse)
-    attn_bwd_dq_hopper[(triton.cdiv(n, t.rows), b * h)](
-        *descs, _output_descriptor(dq, indices[0], t.block_m), lse, delta, starts, ends,
-        *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e), scale,
-        **_meta(t, causal, h // k.shape[1], **masks.constexprs()),
-    )
+    descs = (*descs, _output_descriptor(dq, indices[0], t.block_m))
+    grid = (triton.cdiv(n, t.rows), b * h)
+    args = (*descs, lse, delta, starts, ends, *(x for index in indices for x in index), h, n, window,
+            scale * math.log2(math.e), scale)
+    meta = _meta(t, causal, h // k.shape[1], **masks.constexprs())
+    return _launch_of(attn_bwd_dq_hopper, attn_bwd_dq_hopper[grid](*args, **meta), grid, args, 9, meta), descs

@@ -437,7 +437,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(
         q4, tuple(q.shape[:-3]), scale, window, softcap, doc_ids, lse)
     with on_device_of(q):
-        rowsum, delta_launch = _delta(o4, do4, traceable)
+        rowsum, delta_launch = delta_and_launch(o4, do4, traceable)
         args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
                 *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e,
                 window_arg)
@@ -451,10 +451,12 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
 
 def delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool = False) -> torch.Tensor:
     """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads."""
-    return _delta(o4, do4, traceable)[0]
+    return delta_and_launch(o4, do4, traceable)[0]
 
 
-def _delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool) -> tuple[torch.Tensor, Optional[Launch]]:
+def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor,
+                     traceable: bool = False) -> tuple[torch.Tensor, Optional[Launch]]:
+    """delta(), and its launch resolved (None when traced)."""
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
     launch = _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
@@ -472,7 +474,7 @@ def _delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool) -> tuple[torch.
 # kernels took its (batch, heads, seq, d) view: the same data pointer, as long as the tensor has at most 4 dims.
 
 
-def _plannable(*tensors: torch.Tensor) -> bool:
+def plannable(*tensors: torch.Tensor) -> bool:
     """Whether a plan can stand for a call on these tensors: at most 4 dims each, and on the current device (the
     launches go to its stream)."""
     if any(t.dim() > 4 for t in tensors):
@@ -519,7 +521,7 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """(o, lse) as forward() computes them without documents, and the plan that repeats the call for inputs of the
     same signature; None where there is none yet (the autotuner launched the kernel) or can be none."""
     o, lse, launch = _forward(q, k, v, causal, scale, None, False, window, softcap, None)
-    if launch is None or not _plannable(q, k, v):
+    if launch is None or not plannable(q, k, v):
         return o, lse, None
     return o, lse, ForwardPlan(launch, tuple(lse.shape))
 
@@ -530,6 +532,6 @@ def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
     """(dq, dk, dv, plan): backward() without documents, and the plan that repeats it, as planned_forward.
     lse: contiguous, as forward() makes it."""
     dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, None, False, window, softcap, None)
-    if launches is None or not _plannable(q, k, v, o, do) or not lse.is_contiguous():
+    if launches is None or not plannable(q, k, v, o, do) or not lse.is_contiguous():
         return dq, dk, dv, None
     return dq, dk, dv, BackwardPlan(launches, tuple(as_bhsd(o).shape[:-1]))

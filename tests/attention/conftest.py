@@ -21,6 +21,15 @@ if not torch.cuda.is_available():
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def no_eager_plans(monkeypatch):
+    """Each test starts without the eager plans of flash (attention/flash/__init__.py) that earlier tests made: a
+    signature seen before would run its plan and skip the choice of kernels that tests record."""
+    import attention.flash
+
+    monkeypatch.setattr(attention.flash, "_plans", {})
+
+
 def dtype_id(dtype: torch.dtype) -> str:
     """A dtype as a test id: torch.float16 -> float16."""
     return str(dtype).removeprefix("torch.")

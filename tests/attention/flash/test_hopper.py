@@ -394,6 +394,7 @@ def test_backward_replays_in_a_cuda_graph(monkeypatch):
 def test_short_problems_take_the_hopper_kernels_only_when_replayed(monkeypatch):
     """Below MIN_SCORES eager calls keep the Triton kernels; a captured call takes the Hopper backward (any size) and
     the Hopper forward at d 128, and its replay gives what the eager call gave."""
+    import attention.flash as flash_pkg
     from attention import get_attention, graph_replay
 
     calls = []
@@ -421,13 +422,16 @@ def test_short_problems_take_the_hopper_kernels_only_when_replayed(monkeypatch):
         with torch.cuda.stream(side):  # warm-up: the Hopper kernels compile here, not during the capture
             fwd_bwd()
         torch.cuda.current_stream().wait_stream(side)
+        assert calls == ["forward", "backward"]
         calls.clear()
         q.grad = k.grad = v.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = flash(q, k, v, causal=True)
             out.backward(do)
-    assert calls == ["forward", "backward"]
+    # The capture launched the Hopper kernels through the plans the warm-up resolved (attention/flash/__init__.py).
+    assert calls == [] and any(isinstance(plan, hopper.ForwardPlan) and backward and all(
+        isinstance(b, hopper.BackwardPlan) for b in backward.values()) for plan, backward in flash_pkg._plans.values())
     replayed = [out.detach(), q.grad, k.grad, v.grad]  # detach: the same memory, without the autograd view rules
     for t in replayed:
         t.fill_(float("nan"))
@@ -577,3 +581,34 @@ def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, com
     grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
     for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o64, *grads64)):
         assert rel(got, want) <= 2e-2, name
+
+
+@requires_hopper
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
+    """The second eager call of a signature the Hopper kernels run launches the resolved kernels with the first
+    call's descriptors pointed at its tensors, and gives bitwise what the general path gives."""
+    import attention.flash as flash_pkg
+    from attention import get_attention, graph_replay
+
+    flash = get_attention("flash")
+    with graph_replay():  # the Hopper forward and backward at any size at d 128
+        first = [t.requires_grad_() for t in make_qkv(2, 4, 256, 128, torch.bfloat16, layout, seed=0)]
+        o = flash(*first, causal=True)
+        torch.autograd.grad(o, first, randn(*o.shape, seed=3, dtype=torch.bfloat16))
+        (plan, backward_plans), = flash_pkg._plans.values()
+        assert isinstance(plan, hopper.ForwardPlan)
+        assert [type(p) for p in backward_plans.values()] == [hopper.BackwardPlan]
+        inputs = [t.requires_grad_() for t in make_qkv(2, 4, 256, 128, torch.bfloat16, layout, seed=10)]
+        do = randn(*o.shape, seed=20, dtype=torch.bfloat16)
+        o_ref, lse = flash_forward(*(t.detach() for t in inputs), True, 128 ** -0.5)
+        expected = (o_ref, *flash_backward(*(t.detach() for t in inputs), o_ref, lse, do, True, 128 ** -0.5))
+
+        def refused(*args, **kwargs):
+            raise AssertionError("the general path ran for a signature that has a plan")
+
+        for name in ("forward", "backward", "_descriptor"):
+            monkeypatch.setattr(hopper, name, refused)
+        o = flash(*inputs, causal=True)
+        planned = (o, *torch.autograd.grad(o, inputs, do))
+    assert all(torch.equal(a, b) for a, b in zip(planned, expected))

@@ -312,7 +312,6 @@ def test_a_signature_seen_before_runs_its_plan_with_the_same_results(monkeypatch
     """The first eager call resolves the launches; the second, on fresh inputs of that signature, runs them without
     the general path, and gives bitwise what the general path gives."""
     _, _, causal, variants, _ = PLAN_CASES[case]
-    monkeypatch.setattr(flash_pkg, "_plans", {})
     flash = get_attention("flash")
     first = _plan_inputs(case, seed=0)
     o = flash(*first, causal=causal, **variants)
@@ -326,7 +325,7 @@ def test_a_signature_seen_before_runs_its_plan_with_the_same_results(monkeypatch
     def refused(*args, **kwargs):
         raise AssertionError("the general path ran for a signature that has a plan")
 
-    for module, name in ((flash_triton, "_launch"), (flash_triton, "_delta"), (flash_pkg, "_check")):
+    for module, name in ((flash_triton, "_launch"), (flash_triton, "delta_and_launch"), (flash_pkg, "_check")):
         monkeypatch.setattr(module, name, refused)
     planned = grads_of_flash(lambda q, k, v: flash(q, k, v, causal=causal, **variants), inputs, do)
     assert all(torch.equal(a, b) for a, b in zip(planned, expected))
@@ -338,8 +337,7 @@ def grads_of_flash(fn, inputs, do):
     return (o, *torch.autograd.grad(o, inputs, do))
 
 
-def test_each_signature_gets_its_own_plan(monkeypatch):
-    monkeypatch.setattr(flash_pkg, "_plans", {})
+def test_each_signature_gets_its_own_plan():
     flash = get_attention("flash")
     q, k, v = (randn(1, 2, 32, 16, seed=s) for s in range(3))
     flash(q, k, v, causal=True)
