@@ -17,7 +17,6 @@ import torch
 
 from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
 from attention.flash.triton import Launch, delta_and_launch, plannable
-from attention.flash.triton import delta as triton_delta
 from attention.masks import doc_bounds
 
 HEAD_DIMS = (64, 128)
@@ -402,11 +401,7 @@ def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bo
                 ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of (batch, heads, seq, d) inputs that forward_problem accepted: o in q's memory order, lse fp32.
     window, starts, ends: the Masks fields."""
-    o4 = empty_like(q4)
-    lse = empty(tuple(q4.shape[:-1]), torch.float32, q4.device)
-    with on_device_of(q4):
-        forward(q4, k4, v4, o4, lse, causal, scale, masks=Masks(window, starts, ends))
-    return o4, lse
+    return planned_forward(q4, k4, v4, causal, scale, window, starts, ends)[:2]
 
 
 def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
@@ -414,11 +409,7 @@ def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
                  starts: Optional[torch.Tensor] = None,
                  ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass."""
-    dq4, dk4, dv4 = (empty_like(t) for t in (q4, k4, v4))
-    with on_device_of(q4):
-        backward(q4, k4, v4, do4, lse, triton_delta(o4, do4), dq4, dk4, dv4, causal, scale,
-                 masks=Masks(window, starts, ends))
-    return dq4, dk4, dv4
+    return planned_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends)[:3]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -477,28 +468,32 @@ class BackwardPlan:
 
 
 def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
-    """(o, lse) of inputs (shaped as the registry takes them) that forward_problem accepted without documents, and
-    the plan that repeats the call for inputs of the same signature (None where there can be none)."""
+                    window: Optional[int] = None, starts: Optional[torch.Tensor] = None,
+                    ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
+    """(o, lse) of inputs (shaped as the registry takes them, or (batch, heads, seq, d)) that forward_problem
+    accepted, and the plan that repeats the call for inputs of the same signature (None where there can be none:
+    documents, whose bounds change per call, or more than 4 dims)."""
     o = empty_like(q)
     lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
     with on_device_of(q):
         launch, descs = forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, causal, scale,
-                                masks=Masks(window))
-    return o, lse, ForwardPlan(launch, descs, tuple(lse.shape)) if plannable(q, k, v) else None
+                                masks=Masks(window, starts, ends))
+    usable = starts is None and plannable(q, k, v)
+    return o, lse, ForwardPlan(launch, descs, tuple(lse.shape)) if usable else None
 
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                     do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None) -> tuple:
-    """(dq, dk, dv, plan) of inputs that backward_problem accepted without documents, as planned_forward; lse
-    contiguous, as the forwards make it."""
+                     do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
+                     starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None) -> tuple:
+    """(dq, dk, dv, plan) of inputs that backward_problem accepted, as planned_forward; lse contiguous, as the
+    forwards make it."""
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     with on_device_of(q):
         delta, delta_launch = delta_and_launch(o4, do4)
         resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
-                            masks=Masks(window))
-    usable = delta_launch is not None and plannable(q, k, v, o, do) and lse.is_contiguous()
+                            masks=Masks(window, starts, ends))
+    usable = starts is None and delta_launch is not None and plannable(q, k, v, o, do) and lse.is_contiguous()
     return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape)) if usable else None
 
 

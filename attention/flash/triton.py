@@ -449,14 +449,10 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     return dq, dk, dv, None if None in launches else launches
 
 
-def delta(o4: torch.Tensor, do4: torch.Tensor, traceable: bool = False) -> torch.Tensor:
-    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads."""
-    return delta_and_launch(o4, do4, traceable)[0]
-
-
 def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor,
                      traceable: bool = False) -> tuple[torch.Tensor, Optional[Launch]]:
-    """delta(), and its launch resolved (None when traced)."""
+    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads; and its
+    launch resolved (None when traced)."""
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
     launch = _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
