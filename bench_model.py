@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fp8", nargs="+", default=["off"],
                    help="the blocks' Linear layers in float8 (training/fp8.py, torchao): off (default), tensorwise, "
                         "rowwise; comma list, e.g. off,tensorwise,rowwise to compare. Needs --dtype bf16")
+    m.add_argument("--optim-state-dtype", nargs="+", default=["fp32"],
+                   help="AdamW's moments: fp32 (default; torch.optim.AdamW) or bf16 (training/adamw.py, which also "
+                        "writes the bf16 weight copies the forward reads); comma list to compare; ours, train-step")
     m.add_argument("--mode", nargs="+", default=["forward-backward"],
                    help=f"{', '.join(MODES)}; comma list (default forward-backward)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -146,6 +149,7 @@ class Point:
     cuda_graph: bool = False  # the train-step captured once and replayed (training.cuda_graph)
     overlap_optimizer: bool = False  # AdamW stepped during the backward (training.overlapped_optimizer)
     fp8: str = "off"  # the blocks' matmuls in float8 (training.fp8)
+    optim_state_dtype: str = "fp32"  # AdamW's moments (training.step.StepConfig)
 
     @property
     def context_length(self) -> int:
@@ -159,6 +163,7 @@ class Point:
                 + (" cuda-graph" if self.cuda_graph else "")
                 + (" opt-overlap" if self.overlap_optimizer else "")
                 + (f" fp8={self.fp8}" if self.fp8 != "off" else "")
+                + (f" opt-state={self.optim_state_dtype}" if self.optim_state_dtype != "fp32" else "")
                 + ("" if self.cfg.fp32_weight_grads or self.impl == "hf" else " dW=autocast"))
 
     @property
@@ -197,6 +202,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
     args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
     args.fp8 = _choices(p, "--fp8", _split(args.fp8), list(fp8.RECIPES), "fp8 recipe")
+    args.optim_state_dtype = _choices(p, "--optim-state-dtype", _split(args.optim_state_dtype),
+                                      list(cli.OPTIM_STATE_DTYPES), "optimizer state dtype")
     if args.cuda_graph != "off":
         if args.mode != ["train-step"]:
             p.error(f"--cuda-graph captures the whole train step: use --mode train-step (got {','.join(args.mode)})")
@@ -252,7 +259,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
                     p.error(reason)
     # The step itself: ours through training.step, never clipped (grad_clip None), as --overlap-optimizer needs.
     cli.check_step_flags(p, device, args.parallel, args.dtype, args.cuda_graph != "off",
-                         args.overlap_optimizer != "off")
+                         args.overlap_optimizer != "off", optim_state_dtypes=args.optim_state_dtype)
+    if args.optim_state_dtype != ["fp32"] and args.mode != ["train-step"]:
+        p.error(f"--optim-state-dtype is the train step's optimizer: use --mode train-step "
+                f"(got {','.join(args.mode)})")
     args.device = device
     if args.nvtx:
         reason = nvtx.unavailable()
@@ -295,11 +305,12 @@ def sweep_points(args: argparse.Namespace) -> list[Point]:
     # The overlapped optimizer is ours: the peer keeps its plain AdamW step.
     return [
         Point(size, replace(args.configs[size], attn=attn, context_length=t), args.batch_size, dtype, comp, mode,
-              "model" if impl == "hf" else args.compile_scope, impl, graph, overlap, fp8)
+              "model" if impl == "hf" else args.compile_scope, impl, graph, overlap, fp8, state)
         for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
         for t in args.context_lengths for mode in args.mode for graph in graphs
         for overlap in (overlaps if impl == "ours" else [False])
         for fp8 in (args.fp8 if impl == "ours" else ["off"])
+        for state in (args.optim_state_dtype if impl == "ours" else ["fp32"])
     ]
 
 
@@ -375,7 +386,8 @@ def step_config(point: Point) -> StepConfig:
     norm, so that rows with and without --overlap-optimizer (which cannot clip) time the same work."""
     return StepConfig(precision=point.dtype, compile=point.compile, compile_scope=point.compile_scope,
                       overlap_optimizer=point.overlap_optimizer, cuda_graph=point.cuda_graph, grad_norm=False,
-                      fp8=point.fp8, optimizer=OptimizerConfig(grad_clip=0.0))
+                      fp8=point.fp8, optim_state_dtype=point.optim_state_dtype,
+                      optimizer=OptimizerConfig(grad_clip=0.0))
 
 
 def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] = None) -> Runner:
@@ -407,7 +419,7 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
                n_heads=cfg.n_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
                batch_size=point.batch_size, impl=point.impl, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
                mode=point.mode, cuda_graph=point.cuda_graph, overlap_optimizer=point.overlap_optimizer,
-               fp8=point.fp8, warmup=args.warmup, steps=args.steps)
+               fp8=point.fp8, optim_state_dtype=point.optim_state_dtype, warmup=args.warmup, steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
     return row
@@ -500,7 +512,7 @@ def explain_point(point: Point, runner: Runner, ids: torch.Tensor, targets: torc
                   measured_peak: Optional[int]) -> str:
     """The expected-bytes table beside the measured peak and the measured bytes autograd saved (eager forward)."""
     breakdown = explain_memory(point.cfg, point.batch_size, point.context_length, point.dtype, point.mode,
-                               device_type=runner.device.type)
+                               device_type=runner.device.type, optim_state_dtype=point.optim_state_dtype)
     measured: list[tuple[str, Optional[int]]] = []
     if point.mode != "forward":
         # A compiled model saves what inductor chose; the accounting describes the eager model (force_eager also

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradients summed: the same update with the activation memory of one micro-batch (it must "
                         "divide the sequences per rank)")
     cli.add_optimizer_flags(o)  # --lr, --weight-decay, --grad-clip
+    cli.add_optim_state_flag(o)
     o.add_argument("--min-lr", type=float, default=6e-5, help="learning rate at the end of the cosine decay")
     o.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up steps")
     o.add_argument("--dtype", choices=list(DTYPES),
@@ -148,7 +149,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
                                   parallel=args.parallel, activation_checkpointing=args.activation_checkpointing)
     args.dtype, args.compile, args.cuda_graph = speed.dtype, speed.compile, speed.cuda_graph
     cli.check_step_flags(p, device, args.parallel, [args.dtype], args.cuda_graph, args.overlap_optimizer,
-                         grad_clip=args.grad_clip)
+                         grad_clip=args.grad_clip, optim_state_dtypes=[args.optim_state_dtype])
     try:
         cfg = model_config(args, args.vocab_size or 256)
     except TrainingError as e:
@@ -184,7 +185,7 @@ def step_config(args: argparse.Namespace) -> StepConfig:
     return StepConfig(precision=args.dtype, compile=args.compile, compile_scope=args.compile_scope,
                       activation_checkpointing=args.activation_checkpointing,
                       overlap_optimizer=args.overlap_optimizer, cuda_graph=args.cuda_graph, fp8=args.fp8,
-                      grad_accum_steps=args.grad_accum_steps,
+                      grad_accum_steps=args.grad_accum_steps, optim_state_dtype=args.optim_state_dtype,
                       optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip))
 
 

@@ -3,8 +3,10 @@
 The accounting follows what autograd saves for backward in `model/` (checked against
 `measure_saved_bytes`, which records every tensor saved during a forward pass):
 
-- parameters, gradients and AdamW's two fp32 moments: 4 bytes per parameter each;
-- bf16 autocast adds a cached bf16 copy of every matmul weight (saved by each Linear for backward);
+- parameters, gradients and AdamW's two fp32 moments: 4 bytes per parameter each (the moments 2 bytes each with
+  `--optim-state-dtype bf16`);
+- bf16 autocast adds a bf16 copy of every matmul weight (saved by each Linear for backward; kept between steps by
+  the optimizer with bf16 state);
 - per layer, activations linear in context T (RMSNorm inputs and normalised x, the qkv input, RoPE'd q and k, v,
   the attention output, the SwiGLU w1/w3 outputs, silu and the product) and, for the naive backends, the
   softmax probabilities, which grow with T^2;
@@ -146,8 +148,9 @@ def head_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> Memo
 
 
 def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str,
-                   device_type: str = "cuda") -> MemoryBreakdown:
-    """The expected memory of one `mode` step of TransformerLM(cfg) on (batch, seq) tokens on `device_type`."""
+                   device_type: str = "cuda", optim_state_dtype: str = "fp32") -> MemoryBreakdown:
+    """The expected memory of one `mode` step of TransformerLM(cfg) on (batch, seq) tokens on `device_type`, with
+    AdamW's moments in `optim_state_dtype` (fp32 or bf16)."""
     _check(dtype, mode, batch, seq)
     P = param_count(cfg)
     B, T, V, h = batch, seq, cfg.vocab_size, cfg.n_heads
@@ -159,7 +162,10 @@ def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str
     if mode != "forward":
         state.add("gradients (fp32)", 4 * P, "P*4")
     if mode == "train-step":
-        state.add("AdamW exp_avg and exp_avg_sq (fp32)", 8 * P, "2*P*4")
+        if optim_state_dtype == "bf16":
+            state.add("AdamW exp_avg and exp_avg_sq (bf16)", 4 * P, "2*P*2")
+        else:
+            state.add("AdamW exp_avg and exp_avg_sq (fp32)", 8 * P, "2*P*4")
         state.add("AdamW step counters", 4 * n_tensors, "one fp32 per parameter tensor")
     if a == BF16:
         state.add("autocast bf16 copies of matmul weights", BF16 * matmul_weight_count(cfg), "P_matmul*2")

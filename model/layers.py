@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import einx
 import torch
@@ -15,12 +16,14 @@ class _LowPrecisionLinear(torch.autograd.Function):
     Autocast's linear returns dW in the low dtype, and autograd then casts it to the fp32 parameter: a rounding of
     dW to 8 mantissa bits (bf16) and a cast kernel per weight. Here the matmul writes fp32 (`torch.mm(out_dtype=)`,
     CUDA): on the H100 the five Linears of a `large` block ran 4.9% less GPU time, with dW 600x closer to fp64.
-    Forward and dX are autocast's: the same low-dtype matmuls.
+    Forward and dX are autocast's: the same low-dtype matmuls. `weight_copy`, when given, is the weight already in
+    `dtype` (Linear.keep_weight_copy), read instead of casting the weight again.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        x_low, w_low = x.to(dtype), weight.to(dtype)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
+                weight_copy: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x_low, w_low = x.to(dtype), (weight.to(dtype) if weight_copy is None else weight_copy)
         ctx.save_for_backward(x_low, w_low)
         ctx.x_dtype = x.dtype
         return nn.functional.linear(x_low, w_low)
@@ -38,7 +41,7 @@ class _LowPrecisionLinear(torch.autograd.Function):
                 grad_w = torch.mm(grad_2d, x_2d, out_dtype=torch.float32)
             else:  # mm has no out_dtype kernel on the CPU; products of low-dtype values are exact in fp32
                 grad_w = torch.mm(grad_2d.float(), x_2d.float())
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class Linear(nn.Module):
@@ -52,7 +55,26 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.fp32_weight_grad = fp32_weight_grad
+        self.weight_copy: Optional[torch.Tensor] = None  # keep_weight_copy's
         self.reset_parameters()
+
+    def keep_weight_copy(self, dtype: torch.dtype) -> torch.Tensor:
+        """A `dtype` copy of the weight that the autocast forward of that dtype reads instead of casting the weight
+        in each call; returned for the optimizer, which must rewrite it whenever it updates the weight
+        (training/adamw.py). Loading a state dict into this layer (or a module holding it) refreshes it."""
+        if not (self.fp32_weight_grad and self.weight.dtype == torch.float32):
+            raise ValueError("a weight copy is read by the fp32-weight-gradient path only: this layer has "
+                             f"fp32_weight_grad={self.fp32_weight_grad} and a {self.weight.dtype} weight")
+        self.weight_copy = self.weight.detach().to(dtype)
+        if not hasattr(self, "_copy_refresh"):
+            self._copy_refresh = self.register_load_state_dict_post_hook(Linear._refresh_weight_copy)
+        return self.weight_copy
+
+    @staticmethod
+    @torch.no_grad()
+    def _refresh_weight_copy(module: "Linear", incompatible_keys) -> None:
+        if module.weight_copy is not None:
+            module.weight_copy.copy_(module.weight)
 
     def reset_parameters(self) -> None:
         std = math.sqrt(2.0 / (self.weight.shape[0] + self.weight.shape[1]))
@@ -63,7 +85,8 @@ class Linear(nn.Module):
         if self.fp32_weight_grad and self.weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
             dtype = torch.get_autocast_dtype(device)
             if dtype in (torch.bfloat16, torch.float16):
-                return _LowPrecisionLinear.apply(x, self.weight, dtype)
+                copy = self.weight_copy if self.weight_copy is not None and self.weight_copy.dtype == dtype else None
+                return _LowPrecisionLinear.apply(x, self.weight, dtype, copy)
         return nn.functional.linear(x, self.weight)
 
     def extra_repr(self) -> str:

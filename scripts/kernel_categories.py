@@ -19,7 +19,7 @@ from pathlib import Path
 CATEGORIES = [
     ("gemm", re.compile(r"nvjet|gemm|cutlass|sm90_xmma|Kernel2", re.I)),
     ("attention", re.compile(r"flash|fmha|sdpa|cudnn|attn", re.I)),
-    ("adamw", re.compile(r"multi_tensor_apply|adam", re.I)),
+    ("adamw", re.compile(r"multi_tensor_apply|adam", re.I)),  # torch's fused AdamW; training.adamw's adamw_step
     ("memset/copy", re.compile(r"Memset|Memcpy", re.I)),
     ("elementwise (inductor)", re.compile(r"^triton_")),
     ("other", re.compile(r".")),

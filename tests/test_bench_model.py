@@ -211,6 +211,8 @@ def test_cuda_graph_both_gives_a_graphed_row_beside_the_plain_one(tmp_path):
     (["--cuda-graph", "--mode", "train-step", "--warmup", "2"], "--cuda-graph needs --warmup >= 3"),
     (["--cuda-graph", "--mode", "train-step", "--warmup", "3"], "--cuda-graph needs a CUDA device, got --device cpu"),
     (["--overlap-optimizer", "--mode", "forward"], "--overlap-optimizer steps the optimizer inside the backward"),
+    (["--optim-state-dtype", "bf16", "--mode", "forward"], "--optim-state-dtype is the train step's optimizer"),
+    (["--optim-state-dtype", "fp16", "--mode", "train-step"], "unknown optimizer state dtype 'fp16'"),
 ])
 def test_bad_arguments_exit_with_a_message(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -116,6 +116,8 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
         (["--overlap-optimizer"], 2, "before the global norm is known: add --grad-clip 0"),
         (["--overlap-optimizer", "--grad-clip", "0", "--parallel", "ddp"], 2, "--overlap-optimizer is for one process"),
         (["--grad-accum-steps", "0"], 2, "--grad-accum-steps must be >= 1, got 0"),
+        (["--optim-state-dtype", "bf16", "--parallel", "fsdp"], 2, "--parallel fsdp shards them"),
+        (["--optim-state-dtype", "fp8"], 2, "invalid choice: 'fp8'"),
         (["--grad-accum-steps", "2", "--overlap-optimizer", "--grad-clip", "0"], 2, "drop one"),
         (["--grad-accum-steps", "3"], 1, r"--grad-accum-steps 3 must divide the sequences per rank and step "
                                          r"\(--batch-size 4 over 1 rank: 4\)"),

@@ -60,6 +60,17 @@ def add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
                        help="clip the global gradient norm; 0 disables")
 
 
+# AdamW's moments: torch.optim.AdamW's fp32, or training.adamw's bf16 (training.step.StepConfig.optim_state_dtype).
+OPTIM_STATE_DTYPES = ("fp32", "bf16")
+
+
+def add_optim_state_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--optim-state-dtype", choices=OPTIM_STATE_DTYPES, default="fp32",
+                       help="AdamW's moments: fp32 (default, torch.optim.AdamW) or bf16 (training/adamw.py: 8 bytes a "
+                            "parameter less to move and keep; its update also writes the bf16 copy of each weight "
+                            "that the forward reads, and applies the clipping factor)")
+
+
 def add_device_flag(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                        help="torch device (default cuda if available, else cpu)")
@@ -109,10 +120,14 @@ def check_dist_timeout(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def check_step_flags(p: argparse.ArgumentParser, device: torch.device, parallel: str, precisions: list[str],
-                     cuda_graph: bool, overlap_optimizer: bool, grad_clip: Optional[float] = None) -> None:
+                     cuda_graph: bool, overlap_optimizer: bool, grad_clip: Optional[float] = None,
+                     optim_state_dtypes: tuple[str, ...] | list[str] = ("fp32",)) -> None:
     """The combinations training.step.build_step cannot build, named by their flags (exit status 2).
 
     `precisions` are the --dtype values the run uses; `grad_clip` is None where the script never clips."""
+    if parallel == "fsdp" and "bf16" in optim_state_dtypes:
+        p.error("--optim-state-dtype bf16 updates whole parameters and their weight copies; --parallel fsdp shards "
+                "them: use --parallel ddp or the default fp32 state")
     if parallel == "fsdp" and "fp16" in precisions:
         p.error("--parallel fsdp supports --dtype bf16 or fp32 (fp16 would need a sharded gradient scaler)")
     if "fp16" in precisions and device.type != "cuda":

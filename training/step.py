@@ -13,7 +13,9 @@ The order of the recipe is what makes its parts compose, as torchtitan does it:
 5. a CUDA graph captures the whole eager step (forward, backward, clipping, AdamW) after its warm-up steps.
 
 One AdamW set-up serves both scripts (`make_optimizer`): weight decay on matrices only, betas (0.9, 0.95), fused on
-CUDA, capturable under a CUDA graph, or stepped during the backward with `overlap_optimizer`.
+CUDA, capturable under a CUDA graph, or stepped during the backward with `overlap_optimizer`. With
+`optim_state_dtype="bf16"` it is training.adamw's: bf16 moments, and under bf16/fp16 autocast each Linear's
+low-precision weight copy rewritten by the update (the forward then casts no weight) and clipping folded into it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from model.layers import Linear
 from training import distributed, fp8
+from training.adamw import AdamW
 from training.activation_checkpointing import checkpoint_blocks
 from training.compilation import compile_regions
 from training.cuda_graph import GraphedStep
@@ -58,6 +62,7 @@ class StepConfig:
     overlap_optimizer: bool = False  # AdamW stepped during the backward (training.overlapped_optimizer)
     cuda_graph: bool = False  # the whole step captured once and replayed (training.cuda_graph)
     fp8: str = "off"  # the blocks' matmuls in float8: "tensorwise" or "rowwise" scaling (training.fp8)
+    optim_state_dtype: str = "fp32"  # AdamW's moments: fp32 (torch.optim.AdamW) or bf16 (training.adamw.AdamW)
     # The batch of a step split into this many micro-batches, run one after another with their gradients summed:
     # the same update, the activations of one micro-batch. DDP and FSDP reduce the gradients after the last only.
     grad_accum_steps: int = 1
@@ -67,20 +72,36 @@ class StepConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 
-def make_optimizer(model: nn.Module, config: StepConfig,
-                   device: torch.device) -> torch.optim.AdamW | OverlappedOptimizer:
-    """AdamW over `model`'s parameters (after any DDP/FSDP wrapping: FSDP's are shards)."""
+def keep_weight_copies(model: nn.Module, config: StepConfig) -> dict[nn.Parameter, torch.Tensor]:
+    """With bf16 optimizer state under bf16/fp16 autocast: each Linear (that writes fp32 weight gradients) keeps a
+    low-precision copy of its weight, which the optimizer rewrites; {weight: copy}. Otherwise none."""
+    if config.optim_state_dtype != "bf16" or config.precision == "fp32":
+        return {}
+    dtype = DTYPES[config.precision]
+    return {m.weight: m.keep_weight_copy(dtype) for m in model.modules()
+            if isinstance(m, Linear) and m.fp32_weight_grad and m.weight.dtype == torch.float32}
+
+
+def make_optimizer(model: nn.Module, config: StepConfig, device: torch.device,
+                   weight_copies: Optional[dict[nn.Parameter, torch.Tensor]] = None,
+                   ) -> torch.optim.Optimizer | OverlappedOptimizer:
+    """AdamW over `model`'s parameters (after any DDP/FSDP wrapping: FSDP's are shards); weight_copies: what
+    keep_weight_copies returned, for training.adamw's AdamW to rewrite."""
     hp = config.optimizer
     # A CUDA graph replays the step as captured: the step count must live on the GPU (capturable) and the learning
     # rate be a tensor that set_lr updates in place.
     lr = torch.tensor(hp.lr, device=device) if config.cuda_graph else hp.lr
 
-    def adamw(params: list[nn.Parameter]) -> torch.optim.AdamW:
+    def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         # Decay matrices only: norm gains are scales, decaying them towards 0 fights the normalisation.
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=hp.betas, eps=hp.eps,
-                                 fused=device.type == "cuda", capturable=config.cuda_graph)
+        groups = [g for g in groups if g["params"]]
+        if config.optim_state_dtype == "bf16":
+            return AdamW(groups, lr=lr, betas=hp.betas, eps=hp.eps, state_dtype=torch.bfloat16,
+                         weight_copies=weight_copies)
+        return torch.optim.AdamW(groups, lr=lr, betas=hp.betas, eps=hp.eps, fused=device.type == "cuda",
+                                 capturable=config.cuda_graph)
 
     if config.overlap_optimizer:
         return OverlappedOptimizer(step_partitions(model), adamw, track_grad_norm=config.grad_norm)
@@ -106,7 +127,7 @@ class TrainingStep:
 
     model: nn.Module
     step_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, targets) -> mean loss
-    optimizer: torch.optim.AdamW | OverlappedOptimizer
+    optimizer: torch.optim.Optimizer | OverlappedOptimizer
     scaler: torch.amp.GradScaler
     config: StepConfig
     device: torch.device
@@ -155,9 +176,19 @@ class TrainingStep:
         self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         grad_norm = None
-        if clip > 0 or self.config.grad_norm:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        self.scaler.step(self.optimizer)
+        if isinstance(self.optimizer, AdamW):  # the clipping factor is applied inside its update
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            scale = None
+            if clip > 0 or self.config.grad_norm:
+                grad_norm = torch.nn.utils.get_total_norm(grads)
+            if clip > 0:  # torch.nn.utils.clip_grad_norm_'s factor
+                scale = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+            self.scaler.step(self.optimizer, grad_scale=scale)
+        else:
+            if clip > 0 or self.config.grad_norm:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                           clip if clip > 0 else float("inf"))
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         return grad_norm
 
@@ -218,6 +249,7 @@ def build_step(model: nn.Module, config: StepConfig, ctx: Optional[DistContext] 
     device = ctx.device
     if config.fp8 != "off":
         fp8.convert(model, config.fp8, device)  # first: checkpointing, compile and the optimizer see the new layers
+    weight_copies = keep_weight_copies(model, config)  # before compiling: the compiled forward reads them
     if config.activation_checkpointing:
         checkpoint_blocks(model)
     if config.compile and config.compile_scope == "blocks":
@@ -225,7 +257,8 @@ def build_step(model: nn.Module, config: StepConfig, ctx: Optional[DistContext] 
     step_model = distributed.wrap_model(model, ctx, DTYPES[config.precision])  # `model` keeps the plain names
     if config.compile and config.compile_scope == "model":
         step_model = torch.compile(step_model, dynamic=False)
-    optimizer = make_optimizer(model, config, device)  # after wrapping: FSDP replaces the parameters by shards
+    # after wrapping: FSDP replaces the parameters by shards
+    optimizer = make_optimizer(model, config, device, weight_copies)
     step = TrainingStep(model, step_model, optimizer, grad_scaler(device, config.precision), config, device)
     if config.cuda_graph:
         step.graphed = GraphedStep(step.eager_step, optimizer, warmup=graph_warmup)

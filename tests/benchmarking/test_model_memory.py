@@ -79,6 +79,9 @@ def test_state_terms_follow_the_mode():
     assert state["forward-backward"]["gradients (fp32)"] == 4 * p
     assert "AdamW exp_avg and exp_avg_sq (fp32)" not in state["forward-backward"]
     assert state["train-step"]["AdamW exp_avg and exp_avg_sq (fp32)"] == 8 * p
+    bf16_state = {t.name: t.nbytes for t in explain_memory(cfg, 2, 32, "bf16", "train-step",
+                                                           optim_state_dtype="bf16").state[0].terms}
+    assert bf16_state["AdamW exp_avg and exp_avg_sq (bf16)"] == 4 * p
     fwd = explain_memory(cfg, 2, 32, "fp32", "forward")
     assert fwd.saved_bytes == 0 and fwd.expected_peak_bytes > 4 * p
 

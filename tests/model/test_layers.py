@@ -154,6 +154,38 @@ def test_linear_fp32_weight_grad_compiles():
     assert ((compiled[2].double() - want).abs().max() / want.abs().max()).item() < 1e-6  # still fp32 dW
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_kept_weight_copy_gives_the_cast_weights_results(dtype):
+    # The forward reads the copy instead of casting: outputs and both gradients bitwise the same.
+    ours, _ = _linear_pair(48, 80)
+    with_copy, _ = _linear_pair(48, 80)
+    with torch.no_grad():
+        with_copy.weight.copy_(ours.weight)
+    low = with_copy.keep_weight_copy(dtype)
+    assert low.dtype == dtype and torch.equal(low, ours.weight.detach().to(dtype))
+    x, dy = torch.randn(3, 7, 48, device=DEVICE), torch.randn(3, 7, 80, device=DEVICE).to(dtype)
+    for got, want in zip(_forward_backward(with_copy, x, dy, dtype), _forward_backward(ours, x, dy, dtype)):
+        assert torch.equal(got, want)
+    # The forward reads the copy, not the weight: a stale copy shows (so keeping it current matters).
+    with torch.no_grad():
+        low.zero_()
+    assert _forward_backward(with_copy, x, dy, dtype)[0].abs().max() == 0
+
+
+def test_loading_a_state_dict_refreshes_the_weight_copy():
+    lin = Linear(16, 8).to(DEVICE)
+    low = lin.keep_weight_copy(torch.bfloat16)
+    other = Linear(16, 8).to(DEVICE)
+    holder = torch.nn.Sequential(lin)
+    holder.load_state_dict(torch.nn.Sequential(other).state_dict())
+    assert torch.equal(low, other.weight.detach().bfloat16()) and lin.weight_copy is low
+
+
+def test_a_weight_copy_needs_the_fp32_weight_gradient_path():
+    with pytest.raises(ValueError, match="fp32_weight_grad=False"):
+        Linear(16, 8, fp32_weight_grad=False).keep_weight_copy(torch.bfloat16)
+
+
 def test_embedding_init_cut_at_three():
     emb = Embedding(1000, 64)
     w = emb.weight.detach()

@@ -17,10 +17,10 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randint(256, (4, 32), generator=g), torch.randint(256, (4, 32), generator=g)) for _ in range(n)]
 
 
-def train_py_step(overlap: bool):
+def train_py_step(overlap: bool, state: str = "fp32"):
     """The step train.py builds from its flags (its default AdamW; no clipping, as bench_model times it)."""
     parser = train.build_parser()
-    args = parser.parse_args([*DIMS, "--context-length", "32", "--grad-clip", "0",
+    args = parser.parse_args([*DIMS, "--context-length", "32", "--grad-clip", "0", "--optim-state-dtype", state,
                               *(["--overlap-optimizer"] if overlap else [])])
     train.check_args(parser, args)
     cfg = train.model_config(args, args.vocab_size)
@@ -28,19 +28,20 @@ def train_py_step(overlap: bool):
     return build_step(TransformerLM(cfg), train.step_config(args)), cfg
 
 
-def bench_model_runner(overlap: bool):
+def bench_model_runner(overlap: bool, state: str = "fp32"):
     """The runner bench_model.py builds for the same model and a train-step."""
     args = bench_model.parse_args([*DIMS, "--context-lengths", "32", "--mode", "train-step",
-                                   "--overlap-optimizer", "on" if overlap else "off"])
+                                   "--overlap-optimizer", "on" if overlap else "off", "--optim-state-dtype", state])
     (point,) = bench_model.sweep_points(args)
     torch.manual_seed(0)
     return bench_model.build_runner(point, args.device), point.cfg
 
 
+@pytest.mark.parametrize("state", ["fp32", "bf16"], ids=["fp32-state", "bf16-state"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["adamw", "overlap-optimizer"])
-def test_train_and_bench_model_steps_give_the_same_losses_and_weights(overlap):
-    step, train_cfg = train_py_step(overlap)
-    runner, bench_cfg = bench_model_runner(overlap)
+def test_train_and_bench_model_steps_give_the_same_losses_and_weights(overlap, state):
+    step, train_cfg = train_py_step(overlap, state)
+    runner, bench_cfg = bench_model_runner(overlap, state)
     assert train_cfg == bench_cfg
     for ids, targets in batches(3):
         before = runner.train.loss(ids, targets).detach()
@@ -53,7 +54,8 @@ def test_train_and_bench_model_steps_give_the_same_losses_and_weights(overlap):
     assert trained.keys() == benched.keys()
     for name, p in trained.items():
         assert torch.equal(p, benched[name]), name
-    moved = [not torch.equal(p, q) for p, q in zip(trained.values(), train_py_step(overlap)[0].model.parameters())]
+    moved = [not torch.equal(p, q)
+             for p, q in zip(trained.values(), train_py_step(overlap, state)[0].model.parameters())]
     assert all(moved)  # the steps did update every parameter
 
 

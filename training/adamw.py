@@ -1,0 +1,153 @@
+"""AdamW with its moments in bf16: one kernel per parameter that also writes the weight's bf16 copy.
+
+An AdamW step is memory-bound. torch's fused kernel reads the fp32 weight, its gradient and both moments and writes
+the weight and the moments: 28 bytes per parameter. With bf16 moments that is 20. The same pass can also write the
+bf16 copy of each weight that the bf16 forward reads (model.layers.Linear.keep_weight_copy), 2 bytes more; autocast
+would otherwise cast each weight again in every forward, 6 bytes in a kernel of its own. And the clipping factor is
+applied as the gradient is read, instead of in a pass over the gradients before the step.
+
+torch.optim's AdamW keeps its state in the parameters' dtype (its fused and foreach kernels refuse mixed dtypes), so
+this is an `Optimizer` of its own. On CUDA the update is a Triton kernel (training/adamw_kernel.py), which reads the
+step count, the learning rate and the clipping factor from device tensors, so that a CUDA graph can capture it;
+elsewhere the same update in torch ops (`_update`, also the kernel's reference in the tests). On the H100, a
+`large` model's step (969M parameters) takes 7.71 ms with bf16 moments and copies, against 10.29 ms for torch's
+fused fp32 step without copies.
+
+The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments), computed in fp32; only the
+stored moments are rounded to `state_dtype`. bf16 keeps 8 bits of mantissa: a moment changes as long as its update
+moves it by more than 2^-9 of itself, which (1 - beta2) = 0.05 does (beta2 = 0.999 would stall v).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import math
+
+import torch
+import triton
+from torch import nn
+
+
+def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            step: torch.Tensor, lr: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float, eps: float,
+            weight_decay: float, copy: Optional[torch.Tensor]) -> None:
+    """One AdamW step of one flat parameter in torch ops, in place (its moments, its weight and, if given, its
+    low-precision copy); `step` is the count including this step. The CPU path, and the kernel's reference."""
+    g = grad.float() * grad_scale
+    m = exp_avg.float().lerp(g, 1 - beta1)
+    v = exp_avg_sq.float() * beta2 + (1 - beta2) * g * g
+    step_size = lr / (1 - beta1 ** step)
+    denom = v.sqrt() / (1 - beta2 ** step).sqrt() + eps
+    p = param * (1 - lr * weight_decay) - step_size * m / denom
+    param.copy_(p)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if copy is not None:
+        copy.copy_(p)
+
+
+# On the H100, a `large` model's step (969M parameters, bf16 moments and copies): 7.71 ms, 92% of the 3.0 TB/s copy
+# bandwidth; blocks of 2048 and 4096 elements took 7.77-7.89 ms.
+BLOCK, NUM_WARPS = 1024, 4
+
+
+def _log2(beta: float) -> float:
+    return -math.inf if beta == 0 else math.log2(beta)  # beta ** step = 2 ** (step * log2(beta)), 0 for beta 0
+
+
+def _launch(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            step: torch.Tensor, lr: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float, eps: float,
+            weight_decay: float, copy: Optional[torch.Tensor]) -> None:
+    """_update as one Triton kernel (training/adamw_kernel.py)."""
+    from training.adamw_kernel import adamw_step
+
+    n = param.numel()
+    adamw_step[(triton.cdiv(n, BLOCK),)](
+        param, grad, exp_avg, exp_avg_sq, param if copy is None else copy, step, lr, grad_scale, n,
+        beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
+        HAS_COPY=copy is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW(params, lr, betas, eps, weight_decay, state_dtype=torch.bfloat16, weight_copies={weight: copy}).
+
+    weight_copies: low-precision copies (model.layers.Linear.keep_weight_copy) that each step rewrites from the
+    updated weight. `step(grad_scale=t)` multiplies every gradient by the 0-dim tensor t first (the clipping
+    coefficient), without a pass over the gradients of its own. Always capturable: the step count, the learning
+    rate (if given as a tensor) and the scale stay on the device.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 state_dtype: torch.dtype = torch.bfloat16,
+                 weight_copies: Optional[Mapping[nn.Parameter, torch.Tensor]] = None):
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"AdamW's betas must be in [0, 1); beta{i + 1} is {beta}")
+        if eps < 0 or weight_decay < 0:
+            raise ValueError(f"AdamW's eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
+        self.state_dtype = state_dtype
+        self.weight_copies = dict(weight_copies or {})
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.is_contiguous():
+                    raise ValueError(f"AdamW updates parameters as flat views: one of shape {tuple(p.shape)} is "
+                                     "not contiguous")
+                copy = self.weight_copies.get(p)
+                if copy is not None and (copy.shape != p.shape or not copy.is_contiguous()):
+                    raise ValueError(f"the weight copy of a parameter of shape {tuple(p.shape)} is "
+                                     f"{tuple(copy.shape)}{'' if copy.is_contiguous() else ', not contiguous'}")
+
+    def _state_of(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None,
+             grad_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            device = params[0].device
+            lr = group["lr"]
+            # The kernel reads the learning rate on the device: a float one is filled there (a kernel launch, no
+            # host-to-device copy to wait for).
+            lr = lr.to(device) if isinstance(lr, torch.Tensor) else torch.full((), lr, device=device)
+            scale = torch.ones((), device=device) if grad_scale is None else grad_scale.to(device)
+            update = _launch if device.type == "cuda" else _update
+            beta1, beta2 = group["betas"]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("AdamW does not support sparse gradients")
+            states = [self._state_of(p) for p in params]
+            torch._foreach_add_([state["step"] for state in states], 1.0)  # one launch for the group's counts
+            for p, state in zip(params, states):
+                copy = self.weight_copies.get(p)
+                update(p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                       state["step"], lr, scale, beta1, beta2, group["eps"], group["weight_decay"],
+                       None if copy is None else copy.view(-1))
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, which casts the moments to each parameter's dtype; they are then kept in `state_dtype`. An fp32
+        torch.optim.AdamW state loads too (and this state into it)."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.state_dtype)
+            if "step" in state:  # on the device (a state that was not capturable counts on the CPU), and a tensor of
+                # its own: a state dict shares its tensors, and this count is incremented in place
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32, copy=True)
+        for group in self.param_groups:
+            group["capturable"] = True
