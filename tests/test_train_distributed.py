@@ -108,11 +108,14 @@ def test_accumulated_micro_batches_train_like_one_process(tmp_path, text_file, o
     assert_same_training(rows(out), rows(one_process))
 
 
-def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_file):
-    # Under bf16 autocast the Linears' fp32 weight gradients (model/layers.py) are what DDP all-reduces.
+@pytest.mark.parametrize("state", ["fp32", "bf16"])
+def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_file, state):
+    # Under bf16 autocast the Linears' fp32 weight gradients (model/layers.py) are what DDP all-reduces; with bf16
+    # optimizer state each rank's update also rewrites its weight copies, which the next forward reads.
     one, ddp = tmp_path / "one", tmp_path / "ddp"
-    assert train.main(argv(text_file, one, "--dtype", "bf16")) == 0
-    results = run_ranks(argv(text_file, ddp, "--dtype", "bf16", "--parallel", "ddp"), tmp_path / "logs")
+    bf16 = ["--dtype", "bf16", "--optim-state-dtype", state]
+    assert train.main(argv(text_file, one, *bf16)) == 0
+    results = run_ranks(argv(text_file, ddp, *bf16, "--parallel", "ddp"), tmp_path / "logs")
     assert_ranks_exited(results, 0, 0)
     # As tight as in fp32: a rank that trained on its half alone would be off by 1-7% in loss.
     assert_same_training(rows(ddp), rows(one))

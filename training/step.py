@@ -29,8 +29,8 @@ from torch import nn
 
 from model.layers import Linear
 from training import distributed, fp8
-from training.adamw import AdamW
 from training.activation_checkpointing import checkpoint_blocks
+from training.adamw import AdamW
 from training.compilation import compile_regions
 from training.cuda_graph import GraphedStep
 from training.distributed import DistContext
