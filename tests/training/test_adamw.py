@@ -240,7 +240,7 @@ def test_the_cuda_update_steps_like_the_cpu_one_and_replays_in_a_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        opt.step()  # compiles and makes the state outside the capture
+        opt.step()  # compiles the kernel and makes the state outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
