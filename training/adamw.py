@@ -88,16 +88,18 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW's eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         self.state_dtype = state_dtype
-        self.weight_copies = dict(weight_copies or {})
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.is_contiguous():
-                    raise ValueError(f"AdamW updates parameters as flat views: one of shape {tuple(p.shape)} is "
-                                     "not contiguous")
-                copy = self.weight_copies.get(p)
-                if copy is not None and (copy.shape != p.shape or not copy.is_contiguous()):
-                    raise ValueError(f"the weight copy of a parameter of shape {tuple(p.shape)} is "
-                                     f"{tuple(copy.shape)}{'' if copy.is_contiguous() else ', not contiguous'}")
+        copies = weight_copies or {}
+        own = [p for group in self.param_groups for p in group["params"]]
+        # Only this optimizer's parameters' copies (one optimizer per parameter under --overlap-optimizer).
+        self.weight_copies = {p: copies[p] for p in own if p in copies}
+        for p in own:
+            if not p.is_contiguous():
+                raise ValueError(f"AdamW updates parameters as flat views: one of shape {tuple(p.shape)} is "
+                                 "not contiguous")
+            copy = self.weight_copies.get(p)
+            if copy is not None and (copy.shape != p.shape or not copy.is_contiguous()):
+                raise ValueError(f"the weight copy of a parameter of shape {tuple(p.shape)} is "
+                                 f"{tuple(copy.shape)}{'' if copy.is_contiguous() else ', not contiguous'}")
 
     def _state_of(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
         state = self.state[p]
