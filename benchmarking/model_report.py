@@ -40,6 +40,8 @@ COLUMNS: dict[str, str] = {
     "fp8": "off, or the blocks' Linear layers in float8 with tensorwise or rowwise scaling (training.fp8)",
     "optim_state_dtype": "AdamW's moments: fp32 (torch.optim.AdamW, fused) or bf16 (training.adamw, which also "
                          "writes the Linear weights' bf16 copies)",
+    "fused_rope": "ours: RoPE and the split of the qkv projection in Triton kernels (model.fused_rope; true) or in "
+                  "PyTorch ops (false); empty for the peer",
     "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
     **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
        for p in PHASES for s in ("mean", "std")},
@@ -89,11 +91,13 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         for phase in PHASES:
             d[phase] = _mean_std(r, phase)
         d["mfu_pct"] = None if r.get("mfu") is None else 100 * r["mfu"]
+        d["rope"] = {True: "fused", False: "torch"}.get(r.get("fused_rope"))
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
         shown.append(d)
     columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn",
                "dtype": "dtype", "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph",
-               "overlap_optimizer": "opt overlap", "fp8": "fp8", "optim_state_dtype": "AdamW state", "forward": "forward ms", "backward": "backward ms",
+               "overlap_optimizer": "opt overlap", "fp8": "fp8", "optim_state_dtype": "AdamW state", "rope": "RoPE",
+               "forward": "forward ms", "backward": "backward ms",
                "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
@@ -134,8 +138,9 @@ def variant(row: dict[str, Any]) -> str:
     overlap = " opt-overlap" if row.get("overlap_optimizer") else ""
     fp8 = f" fp8={row['fp8']}" if row.get("fp8") not in (None, "off") else ""
     state = f" opt-state={row['optim_state_dtype']}" if row.get("optim_state_dtype") not in (None, "fp32") else ""
+    rope = " rope=torch" if row.get("fused_rope") is False else ""
     return (f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}{fp8}"
-            f"{state}")
+            f"{state}{rope}")
 
 
 def variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

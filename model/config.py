@@ -26,6 +26,9 @@ class ModelConfig:
     # Under bf16/fp16 autocast, Linear weight gradients come out of the matmul in fp32 (model/layers.py); False: as
     # plain autocast, rounded to the low dtype and then cast. Changes no parameter, only how dW is computed.
     fp32_weight_grads: bool = True
+    # On CUDA, q, k and v leave the fused projection with RoPE applied in one Triton kernel, and their gradients
+    # return in one (model/fused_rope.py); False: in PyTorch ops. Changes no parameter and no value beyond rounding.
+    fused_rope: bool = True
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length"):

@@ -11,6 +11,7 @@ from torch import nn
 
 from attention import get_attention
 from model.config import ModelConfig
+from model.fused_rope import split_heads, split_rotate, split_rotate_reference
 from model.kv_cache import KVCache, LayerCache
 from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -29,6 +30,7 @@ class CausalSelfAttention(nn.Module):
         self.out = Linear(cfg.d_model, cfg.d_model, cfg.fp32_weight_grads)
         self.rope = rope
         self.attend = get_attention(cfg.attn)
+        self.split_rotate = split_rotate if cfg.fused_rope else split_rotate_reference
         # Only the variants in use reach the backend, so a plain model runs on every backend.
         self.variant = {name: value for name, value in (("window", window), ("softcap", cfg.attn_softcap))
                         if value is not None}
@@ -36,26 +38,19 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, doc_ids: Optional[torch.Tensor] = None,
                 rope_angles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """doc_ids (batch, seq): packed documents, attended separately; rope_angles: (cos, sin) of each position
-        (batch, seq, 1, d_head / 2), for positions that restart at each document."""
-        if self.n_kv_heads == self.n_heads:
-            # (batch, seq, 3 * d_model) -> three of (batch, seq, heads, d_head), views of the fused projection.
-            q, k, v = einx.id("b s (three h d) -> three b s h d", self.qkv(x), three=3, h=self.n_heads)
-        else:
-            q, kv = self.qkv(x).split([x.shape[-1], x.shape[-1] // self.n_heads * 2 * self.n_kv_heads], dim=-1)
-            q = einx.id("b s (h d) -> b s h d", q, h=self.n_heads)
-            k, v = einx.id("b s (two h d) -> two b s h d", kv, two=2, h=self.n_kv_heads)
+        (batch, seq, d_head / 2), for positions that restart at each document."""
+        qkv = self.qkv(x)  # (batch, seq, (heads + 2 kv_heads) * d_head)
         if cache is not None:  # sampling: RoPE at the cached positions, and the backend's decode attention
+            q, k, v = split_heads(qkv, self.n_heads, self.n_kv_heads)
             return self.out(cache.attend(q, k, v, self.rope, self.attend, self.variant))
         # q, k and v get storage of their own in (batch, seq, heads, d_head) order; the backend sees them as
         # (batch, heads, seq, d_head) views of it. Own storage: v saved for backward as a view would keep the whole
         # projection, q and k included, alive (0.7 GiB on `large` at b4 T1024). That order: attention outputs follow
         # q's memory order (cuDNN and flash), so the "b s (h d)" below is a view, not a second copy of o next to
         # the one the backend saves (0.35 GiB). Both measured with bench_model --memory-snapshot on the H100.
-        if rope_angles is None:
-            q, k = self.rope(q, seq_dim=-3), self.rope(k, seq_dim=-3)
-        else:
-            q, k = (self.rope.rotate(t, *rope_angles) for t in (q, k))
-        q, k, v = (einx.id("b s h d -> b h s d", t.contiguous()) for t in (q, k, v))
+        cos, sin = rope_angles or (self.rope.cos[:x.shape[1]], self.rope.sin[:x.shape[1]])  # (seq, d_head / 2)
+        q, k, v = self.split_rotate(qkv, self.n_heads, self.n_kv_heads, cos, sin)
+        q, k, v = (einx.id("b s h d -> b h s d", t) for t in (q, k, v))
         if doc_ids is None:
             o = self.attend(q, k, v, causal=True, **self.variant)
         else:
@@ -111,12 +106,12 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.final_norm(x))
 
     def document_rope_angles(self, doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), (batch, seq, 1, d_head / 2): RoPE at each position's offset within its document."""
+        """(cos, sin), (batch, seq, d_head / 2): RoPE at each position's offset within its document."""
         rope = self.blocks[0].attn.rope
         doc_ids = doc_ids.contiguous()
         start = torch.searchsorted(doc_ids, doc_ids, side="left")  # where each position's document begins
         positions = torch.arange(doc_ids.shape[-1], device=doc_ids.device) - start  # < seq <= context_length
-        return rope.cos[positions][:, :, None], rope.sin[positions][:, :, None]
+        return rope.cos[positions], rope.sin[positions]
 
     def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32 scalar) of the last hidden states x: (batch, seq, d_model)."""

@@ -16,9 +16,10 @@
 #                  n1024        B4 H20 N1024 D64 causal, --graph-timing     (the large model's attention)
 #                  variants     --preset variants (GQA, window, documents, softcap, all four; against flex, sdpa, cuDNN)
 #                  training     --preset training --graph-timing (the shapes models train with)
-#   train-steps  bench_model.py --mode train-step, bf16, compiled, every step replayed as one CUDA graph, AdamW after
-#                and during the backward (--overlap-optimizer both) with fp32 and bf16 moments (--optim-state-dtype),
-#                ours with flash against Hugging Face Llama in the same run:
+#   train-steps  bench_model.py --mode train-step, bf16, compiled, every step replayed as one CUDA graph, AdamW
+#                during the backward (--overlap-optimizer) with fp32 and bf16 moments (--optim-state-dtype), RoPE in
+#                PyTorch ops and in its Triton kernels (--fused-rope both), ours with flash against Hugging Face
+#                Llama in the same run:
 #                  small (batch 16, context 1024)   large (batch 4, context 1024)   2.7B (batch 4, context 512)
 #   train-variants  train.py, small, bf16, flash, its defaults (compiled, a CUDA graph where the run allows one), 300
 #                steps on the built-in corpus as BPE (prepare_data.py): the plain model, the same with
@@ -30,9 +31,9 @@
 #                         --fp8 off,tensorwise,rowwise
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
 #                         tensorwise (the faster mode in the steps part): the loss curves side by side
-#   profile      bench_model.py --profile on ours (flash, compiled; AdamW state fp32, then bf16), then
-#                scripts/kernel_categories.py: GPU ms per step by kernel category. Parts: large, 2.7B (shapes as in
-#                train-steps)
+#   profile      bench_model.py --profile on ours (flash, compiled): the defaults (AdamW state fp32, fused RoPE)
+#                and each change from them (bf16 state; RoPE in PyTorch ops), then scripts/kernel_categories.py: GPU
+#                ms per step by kernel category. Parts: large, 2.7B (shapes as in train-steps)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
 #                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 512, batch 4,
@@ -145,7 +146,8 @@ step_train_steps() {
         # shellcheck disable=SC2046  # shape's flags are meant to split
         run "$OUT/train-steps/$size.log" 330 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
             --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash --impl ours,hf \
-            --cuda-graph on --overlap-optimizer both --optim-state-dtype fp32,bf16 --out "$OUT/train-steps/$size"
+            --cuda-graph on --overlap-optimizer on --optim-state-dtype fp32,bf16 --fused-rope both \
+            --out "$OUT/train-steps/$size"
     done
     SUMMARIES+=(summary_train_steps)
 }
@@ -208,20 +210,19 @@ step_profile() {
         dir="$OUT/profile/$size"
         # shellcheck disable=SC2046
         run "$dir.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 --mode train-step \
-            --no-progress --compile on --attn flash --optim-state-dtype fp32,bf16 --warmup 3 --steps 2 \
-            --profile "$dir/prof" --profile-steps 2 --out "$dir"
+            --no-progress --compile on --attn flash --optim-state-dtype fp32,bf16 --fused-rope both --warmup 3 \
+            --steps 2 --profile "$dir/prof" --profile-steps 2 --out "$dir"
         [ "$DRY_RUN" = 1 ] && { echo "   \$ $PY scripts/kernel_categories.py $dir/prof/*/trace.json 2 --top 45"; continue; }
-        for state in fp32 bf16; do  # one folder per configuration; the bf16-state one's name says opt-state=bf16
-            if [ "$state" = bf16 ]; then
-                trace=$(find "$dir/prof" -path '*opt-state=bf16*' -name trace.json 2>/dev/null | head -1)
-            else
-                trace=$(find "$dir/prof" -name trace.json -not -path '*opt-state=*' 2>/dev/null | head -1)
-            fi
+        # One folder per configuration, named by its label: " opt-state=bf16" and " rope=torch" where they apply.
+        for config in fp32-state-fused-rope bf16-state-fused-rope fp32-state-torch-rope bf16-state-torch-rope; do
+            local find_args=(-name trace.json)
+            [[ $config == bf16* ]] && find_args+=(-path '*opt-state=bf16*') || find_args+=(-not -path '*opt-state=*')
+            [[ $config == *torch-rope ]] && find_args+=(-path '*rope=torch*') || find_args+=(-not -path '*rope=*')
+            trace=$(find "$dir/prof" "${find_args[@]}" 2>/dev/null | head -1)
             if [ -n "$trace" ]; then
-                "$PY" scripts/kernel_categories.py "$trace" 2 --top 45 \
-                    > "$OUT/profile/$size-optim-state-$state-kernel-categories.txt"
+                "$PY" scripts/kernel_categories.py "$trace" 2 --top 45 > "$OUT/profile/$size-$config-kernel-categories.txt"
             else
-                echo "   no $state-state trace.json under $dir/prof"; STATUS=1
+                echo "   no $config trace.json under $dir/prof"; STATUS=1
             fi
         done
     done

@@ -21,6 +21,7 @@ CATEGORIES = [
     ("attention", re.compile(r"flash|fmha|sdpa|cudnn|attn", re.I)),
     ("adamw", re.compile(r"multi_tensor_apply|adam", re.I)),  # torch's fused AdamW; training.adamw's adamw_step
     ("memset/copy", re.compile(r"Memset|Memcpy", re.I)),
+    ("rope (model.fused_rope)", re.compile(r"^(split_rotate|merge_rotate_back)$")),
     ("elementwise (inductor)", re.compile(r"^triton_")),
     ("other", re.compile(r".")),
 ]

@@ -176,6 +176,17 @@ def test_weight_grads_flag_reaches_every_config_and_the_label():
     assert not any(p.cfg.fp32_weight_grads for p in plain) and plain[0].label.endswith(" dW=autocast")
 
 
+def test_fused_rope_flag_reaches_every_config_and_the_label():
+    default = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small"]))
+    assert all(p.cfg.fused_rope for p in default) and "rope=" not in default[0].label
+    plain = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", "--fused-rope", "off"]))
+    assert not any(p.cfg.fused_rope for p in plain) and plain[0].label.endswith(" rope=torch")
+    both = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", "--impl", "ours,hf",
+                                                            "--fused-rope", "both"]))
+    ours, peer = [p.cfg.fused_rope for p in both if p.impl == "ours"], [p.cfg.fused_rope for p in both if p.impl == "hf"]
+    assert ours == [False, True] * len(peer) and all(peer)  # ours: a row each way; the peer: one
+
+
 def test_overlap_optimizer_both_gives_ours_a_row_each_way_and_the_peer_one(tmp_path):
     args = bench_model.parse_args([*TINY, "--context-lengths", "16", "--mode", "train-step", "--impl", "ours,hf",
                                    "--overlap-optimizer", "both"])

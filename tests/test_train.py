@@ -173,16 +173,16 @@ def test_resume_with_another_model_is_refused(tmp_path, text_file, capsys):
     assert "was written for another model" in capsys.readouterr().err
 
 
-def test_resume_takes_an_older_checkpoint_and_another_weight_grad_mode(tmp_path, text_file):
-    # A checkpoint written before fp32_weight_grads existed lacks it; the mode changes no parameter, so a resume
-    # may also pick the other one.
+def test_resume_takes_an_older_checkpoint_and_another_weight_grad_and_rope_mode(tmp_path, text_file):
+    # A checkpoint written before fp32_weight_grads and fused_rope existed lacks them; neither changes a parameter,
+    # so a resume may also pick the other mode.
     code, _, out = run(tmp_path, text_file, "--steps", "2")
     assert code == 0
     state = checkpoint.load(out / "checkpoint-2.pt")
-    del state["model_config"]["fp32_weight_grads"]
+    del state["model_config"]["fp32_weight_grads"], state["model_config"]["fused_rope"]
     checkpoint.save_atomic(state, out / "checkpoint-2.pt")
     argv = [*TINY, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume", "--steps", "3",
-            "--weight-grads", "autocast"]
+            "--weight-grads", "autocast", "--fused-rope", "off"]
     assert train.main(argv) == 0
     assert checkpoint.load(out / "checkpoint-3.pt")["step"] == 3
 

@@ -44,6 +44,12 @@ def add_weight_grads_flag(group: argparse._ArgumentGroup) -> None:
                             "(default) or as plain autocast does (low dtype, then cast)")
 
 
+def add_fused_rope_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--fused-rope", choices=["on", "off"], default="on",
+                       help="on CUDA, RoPE and the split of the qkv projection into heads in one Triton kernel each "
+                            "way (default on; off: PyTorch ops, which torch.compile fuses into three)")
+
+
 def add_compile_scope_flag(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                        help="what --compile compiles: blocks (each block, all reusing one graph, so compile time does "
