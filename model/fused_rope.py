@@ -131,6 +131,11 @@ def split_rotate(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Te
     """qkv (batch, seq, (n_heads + 2 n_kv_heads) * d_head) -> q (batch, seq, n_heads, d_head), k and v (batch, seq,
     n_kv_heads, d_head), each contiguous, q and k rotated by the angles whose cos and sin are (seq, d_head / 2) or
     (batch, seq, d_head / 2). The Triton kernels on CUDA, PyTorch ops elsewhere."""
+    width, seq, half = qkv.shape[-1], qkv.shape[-2], cos.shape[-1]
+    if width != (n_heads + 2 * n_kv_heads) * 2 * half or cos.shape[-2] != seq or sin.shape != cos.shape:
+        raise ValueError(f"split_rotate: qkv (..., {seq}, {width}) needs ({n_heads} + 2 x {n_kv_heads}) heads of "
+                         f"d_head {2 * half} and angles for {seq} positions; got cos {tuple(cos.shape)}, sin "
+                         f"{tuple(sin.shape)}")
     if qkv.is_cuda and qkv.stride(-1) == 1:
         return _split_rotate_op(qkv, cos, sin, n_heads, n_kv_heads)
     return split_rotate_reference(qkv, n_heads, n_kv_heads, cos, sin)

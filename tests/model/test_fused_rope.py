@@ -83,6 +83,22 @@ def test_the_pytorch_path_matches_the_reference_and_runs_off_cuda():
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
+def test_angles_for_another_length_or_a_projection_of_another_width_are_refused():
+    rope = RotaryEmbedding(16, max_seq_len=32)
+    qkv = torch.randn(2, 10, 6 * 16)
+    with pytest.raises(ValueError, match="angles for 10 positions"):
+        fused_rope.split_rotate(qkv, 2, 2, rope.cos[:9], rope.sin[:9])
+    with pytest.raises(ValueError, match="d_head 16"):
+        fused_rope.split_rotate(qkv, 3, 2, rope.cos[:10], rope.sin[:10])
+
+
+def test_a_block_refuses_a_sequence_longer_than_its_rope_tables():
+    attention = TransformerLM(ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, vocab_size=11,
+                                          context_length=8)).blocks[0].attn
+    with pytest.raises(ValueError, match="RoPE tables cover 8 positions; got a sequence of 9"):
+        attention(torch.randn(1, 9, 32))
+
+
 @needs_cuda
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("shape", SHAPES[:3])
