@@ -15,17 +15,6 @@ import torch
 
 from model.layers import RotaryEmbedding
 
-_kernels = None
-
-
-def _kernel_module():
-    global _kernels
-    if _kernels is None:
-        from model import rope_kernels
-        _kernels = rope_kernels
-    return _kernels
-
-
 def split_heads(qkv: torch.Tensor, n_heads: int,
                 n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv (batch, seq, (n_heads + 2 n_kv_heads) * d_head) -> views q (batch, seq, n_heads, d_head), k and v
@@ -67,34 +56,38 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _launch(kernel, traceable: bool):
-    return torch.library.wrap_triton(kernel) if traceable else kernel
+# The kernels launch through torch.library.wrap_triton, as a triton_op's body must for torch.compile to see them;
+# called eagerly (and in the CPU interpreter) it launches them directly.
 
 
-def launch_split_rotate(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                        traceable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_split_rotate(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, cos: torch.Tensor,
+                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """split_rotate's forward kernel: (q, k, v), contiguous. qkv (batch, seq, width) with a contiguous last dim;
-    cos, sin (seq, d_head / 2) or (batch, seq, d_head / 2). traceable: through wrap_triton, inside a triton_op."""
+    cos, sin (seq, d_head / 2) or (batch, seq, d_head / 2)."""
+    from model.rope_kernels import split_rotate as kernel  # on first use: TRITON_INTERPRET is read at import
+
     b, s, width = qkv.shape
     d_head = width // (n_heads + 2 * n_kv_heads)
     q = qkv.new_empty(b, s, n_heads, d_head)
     k, v = qkv.new_empty(b, s, n_kv_heads, d_head), qkv.new_empty(b, s, n_kv_heads, d_head)
     cos, sin, angle_stride_b, angle_stride_s = _angles(cos, sin)
-    _launch(_kernel_module().split_rotate, traceable)[(b * s,)](
+    torch.library.wrap_triton(kernel)[(b * s,)](
         qkv, q, k, v, cos, sin, s, qkv.stride(0), qkv.stride(1), angle_stride_b, angle_stride_s,
         H=n_heads, KV=n_kv_heads, HALF=d_head // 2, **_blocks(n_heads, n_kv_heads, d_head // 2))
     return q, k, v
 
 
 def launch_merge_rotate_back(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                             sin: torch.Tensor, traceable: bool = False) -> torch.Tensor:
+                             sin: torch.Tensor) -> torch.Tensor:
     """split_rotate's backward kernel: dqkv (batch, seq, (heads + 2 kv_heads) * d_head), contiguous."""
+    from model.rope_kernels import merge_rotate_back as kernel
+
     dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
     b, s, n_heads, d_head = dq.shape
     n_kv_heads = dk.shape[2]
     dqkv = dq.new_empty(b, s, (n_heads + 2 * n_kv_heads) * d_head)
     cos, sin, angle_stride_b, angle_stride_s = _angles(cos, sin)
-    _launch(_kernel_module().merge_rotate_back, traceable)[(b * s,)](
+    torch.library.wrap_triton(kernel)[(b * s,)](
         dq, dk, dv, dqkv, cos, sin, s, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         angle_stride_b, angle_stride_s, H=n_heads, KV=n_kv_heads, HALF=d_head // 2,
         **_blocks(n_heads, n_kv_heads, d_head // 2))
@@ -104,13 +97,13 @@ def launch_merge_rotate_back(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
 @torch.library.triton_op("flash_lm::split_rotate", mutates_args=())
 def _split_rotate_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
                      n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_split_rotate(qkv, n_heads, n_kv_heads, cos, sin, traceable=True)
+    return launch_split_rotate(qkv, n_heads, n_kv_heads, cos, sin)
 
 
 @torch.library.triton_op("flash_lm::merge_rotate_back", mutates_args=())
 def _merge_rotate_back_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor) -> torch.Tensor:
-    return launch_merge_rotate_back(dq, dk, dv, cos, sin, traceable=True)
+    return launch_merge_rotate_back(dq, dk, dv, cos, sin)
 
 
 def _setup_context(ctx, inputs, output) -> None:
