@@ -176,18 +176,14 @@ class TrainingStep:
         self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         grad_norm = None
+        if clip > 0 or self.config.grad_norm:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         if isinstance(self.optimizer, AdamW):  # the clipping factor is applied inside its update
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            scale = None
-            if clip > 0 or self.config.grad_norm:
-                grad_norm = torch.nn.utils.get_total_norm(grads)
-            if clip > 0:  # torch.nn.utils.clip_grad_norm_'s factor
-                scale = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+            scale = torch.clamp(clip / (grad_norm + 1e-6), max=1.0) if clip > 0 else None  # clip_grad_norm_'s
             self.scaler.step(self.optimizer, grad_scale=scale)
         else:
-            if clip > 0 or self.config.grad_norm:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                           clip if clip > 0 else float("inf"))
+            if clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), clip, grad_norm)
             self.scaler.step(self.optimizer)
         self.scaler.update()
         return grad_norm
