@@ -401,7 +401,7 @@ def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bo
                 ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of (batch, heads, seq, d) inputs that forward_problem accepted: o in q's memory order, lse fp32.
     window, starts, ends: the Masks fields."""
-    return planned_forward(q4, k4, v4, causal, scale, window, starts, ends)[:2]
+    return _forward_call(q4, k4, v4, causal, scale, Masks(window, starts, ends))[:2]
 
 
 def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
@@ -409,7 +409,29 @@ def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
                  starts: Optional[torch.Tensor] = None,
                  ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass."""
-    return planned_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends)[:3]
+    return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends))[:3]
+
+
+def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  masks: Masks) -> tuple:
+    """(o, lse, launch, descriptors) of forward() on inputs shaped as the registry takes them, or (b, h, s, d)."""
+    o = empty_like(q)
+    lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
+    with on_device_of(q):
+        launch, descs = forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, causal, scale, masks=masks)
+    return o, lse, launch, descs
+
+
+def _backward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor, causal: bool, scale: float, masks: Masks) -> tuple:
+    """(dq, dk, dv, delta, delta launch, backward()'s launches and descriptors), as _forward_call."""
+    q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    with on_device_of(q):
+        delta, delta_launch = delta_and_launch(o4, do4)
+        resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
+                            masks=masks)
+    return dq, dk, dv, delta, delta_launch, resolved
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -421,10 +443,19 @@ def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
 # signature fixes everything else they hold) and launches. A plan's descriptors are its own: one call at a time.
 
 
-def _pointed_at(descs: tuple, tensors: tuple) -> tuple:
-    """descs, each now describing the tensor in its place (the same shape, strides and alignment as before)."""
+def _launch_pointed(launch: Launch, descs: tuple, tensors: tuple, *rest: torch.Tensor) -> None:
+    """launch(*descs, *rest) with descs, each describing the tensor in its place (the same shape, strides and
+    alignment as the one it was made for), then released: a plan outlives its call, and must not keep the call's
+    tensors alive."""
     for desc, t in zip(descs, tensors):
         desc.base = t
+    launch(*descs, *rest)
+    _released(descs)
+
+
+def _released(descs: tuple) -> tuple:
+    for desc in descs:
+        desc.base = None
     return descs
 
 
@@ -434,12 +465,12 @@ class ForwardPlan:
     __slots__ = ("launch", "descs", "lse_shape")
 
     def __init__(self, launch: Launch, descs: tuple, lse_shape: tuple[int, ...]):
-        self.launch, self.descs, self.lse_shape = launch, descs, lse_shape
+        self.launch, self.descs, self.lse_shape = launch, _released(descs), lse_shape
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         o = empty_like(q)
         lse = empty(self.lse_shape, torch.float32, q.device)
-        self.launch(*_pointed_at(self.descs, (q, k, v, o)), lse, lse, lse)  # START, END: not read without documents
+        _launch_pointed(self.launch, self.descs, (q, k, v, o), lse, lse, lse)  # START, END: unread without documents
         return o, lse
 
 
@@ -450,7 +481,8 @@ class BackwardPlan:
 
     def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...]):
         self.delta, self.delta_shape = delta, delta_shape
-        self.dkdv, self.dkdv_descs, self.dq, self.dq_descs = resolved
+        self.dkdv, dkdv_descs, self.dq, dq_descs = resolved
+        self.dkdv_descs, self.dq_descs = _released(dkdv_descs), _released(dq_descs)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                  do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -460,40 +492,28 @@ class BackwardPlan:
         main = torch.cuda.current_stream()  # as backward(): dQ beside dK/dV on a second stream
         side = _side_stream(q.device.index or 0)
         side.wait_stream(main)
-        self.dkdv(*_pointed_at(self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta)), lse, lse)
+        _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta), lse, lse)
         with torch.cuda.stream(side):
-            self.dq(*_pointed_at(self.dq_descs, (q, k, v, do, dq)), lse, delta, lse, lse)
+            _launch_pointed(self.dq, self.dq_descs, (q, k, v, do, dq), lse, delta, lse, lse)
         main.wait_stream(side)
         return dq, dk, dv
 
 
 def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    window: Optional[int] = None, starts: Optional[torch.Tensor] = None,
-                    ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
-    """(o, lse) of inputs (shaped as the registry takes them, or (batch, heads, seq, d)) that forward_problem
-    accepted, and the plan that repeats the call for inputs of the same signature (None where there can be none:
-    documents, whose bounds change per call, or more than 4 dims)."""
-    o = empty_like(q)
-    lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
-    with on_device_of(q):
-        launch, descs = forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, causal, scale,
-                                masks=Masks(window, starts, ends))
-    usable = starts is None and plannable(q, k, v)
-    return o, lse, ForwardPlan(launch, descs, tuple(lse.shape)) if usable else None
+                    window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
+    """(o, lse) of inputs (shaped as the registry takes them, or (batch, heads, seq, d)) without documents that
+    forward_problem accepted, and the plan that repeats the call for inputs of the same signature (None for more
+    than 4 dims)."""
+    o, lse, launch, descs = _forward_call(q, k, v, causal, scale, Masks(window))
+    return o, lse, ForwardPlan(launch, descs, tuple(lse.shape)) if plannable(q, k, v) else None
 
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                     do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                     starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None) -> tuple:
-    """(dq, dk, dv, plan) of inputs that backward_problem accepted, as planned_forward; lse contiguous, as the
-    forwards make it."""
-    q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
-    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-    with on_device_of(q):
-        delta, delta_launch = delta_and_launch(o4, do4)
-        resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
-                            masks=Masks(window, starts, ends))
-    usable = starts is None and delta_launch is not None and plannable(q, k, v, o, do) and lse.is_contiguous()
+                     do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None) -> tuple:
+    """(dq, dk, dv, plan) of inputs without documents that backward_problem accepted, as planned_forward; lse
+    contiguous, as the forwards make it."""
+    dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, Masks(window))
+    usable = delta_launch is not None and plannable(q, k, v, o, do) and lse.is_contiguous()
     return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape)) if usable else None
 
 

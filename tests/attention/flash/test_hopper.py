@@ -612,3 +612,25 @@ def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
         o = flash(*inputs, causal=True)
         planned = (o, *torch.autograd.grad(o, inputs, do))
     assert all(torch.equal(a, b) for a, b in zip(planned, expected))
+
+
+@requires_hopper
+def test_plans_keep_no_tensor_of_their_calls_alive():
+    """Once a call's outputs are dropped, the memory in use is what it was before the call: the plans it made (first
+    call) or ran (second) hold none of its tensors in their descriptors."""
+    import attention.flash as flash_pkg
+    from attention import get_attention, graph_replay
+
+    flash = get_attention("flash")
+    with graph_replay():  # the Hopper forward and backward at any size at d 128
+        for seed in (0, 1):
+            inputs = [t.requires_grad_() for t in make_qkv(2, 4, 256, 128, torch.bfloat16, "bhsd", seed=seed)]
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            o = flash(*inputs, causal=True)
+            grads = torch.autograd.grad(o, inputs, randn(*o.shape, seed=seed + 2, dtype=torch.bfloat16))
+            del o, grads
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() == before, f"call {seed + 1}"
+    (plan, backward_plans), = flash_pkg._plans.values()
+    assert isinstance(plan, hopper.ForwardPlan) and len(backward_plans) == 1
