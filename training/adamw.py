@@ -140,13 +140,21 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, which casts the moments to each parameter's dtype; they are then kept in `state_dtype`. An fp32
-        torch.optim.AdamW state loads too (and this state into it)."""
-        super().load_state_dict(state_dict)
+        """As torch's, but each moment is copied straight to `state_dtype` on its parameter's device: torch's would
+        first cast every moment to its parameter's dtype, fp32 copies of all of them at once (8 bytes a parameter
+        more than the state being loaded). An fp32 torch.optim.AdamW state loads too (and this state into it)."""
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        moments: dict[Any, dict[str, torch.Tensor]] = {}
+        rest: dict[Any, dict[str, Any]] = {}
+        for i, entry in state_dict["state"].items():
+            moments[i] = {key: value for key, value in entry.items() if key in ("exp_avg", "exp_avg_sq")}
+            rest[i] = {key: value for key, value in entry.items() if key not in moments[i]}
+        super().load_state_dict({**state_dict, "state": rest})
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params):
+            for key, value in moments.get(i, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=self.state_dtype, copy=True)
         for p, state in self.state.items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(self.state_dtype)
             if "step" in state:  # on the device (a state that was not capturable counts on the CPU), and a tensor of
                 # its own: a state dict shares its tensors, and this count is incremented in place
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32, copy=True)

@@ -118,6 +118,43 @@ def test_state_dicts_keep_bf16_moments_and_load_to_and_from_torch_adamw():
         assert torch.equal(p, r)
 
 
+def test_loaded_moments_are_copies_of_their_own():
+    """Loading a live optimizer's state gives moments equal to its own but not shared with it: each steps apart."""
+    params, grads = params_and_grads(3)
+    ours, theirs = clone(params), clone(params)
+    opt = AdamW(ours, lr=1e-2)
+    run(opt, ours, grads[:1])
+    other = AdamW(theirs, lr=1e-2)
+    other.load_state_dict(opt.state_dict())
+    for p, q in zip(ours, theirs):
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, loaded = opt.state[p][key], other.state[q][key]
+            assert torch.equal(mine, loaded) and mine.data_ptr() != loaded.data_ptr()
+    run(opt, ours, grads[1:])
+    assert not torch.equal(opt.state[ours[0]]["exp_avg"], other.state[theirs[0]]["exp_avg"])
+
+
+@pytest.mark.skipif(not CUDA, reason="measures CUDA memory")
+@pytest.mark.parametrize("saved_dtype", [torch.bfloat16, torch.float32])
+def test_loading_allocates_only_the_bf16_moments(saved_dtype):
+    """Loading a state allocates the two bf16 moments of each parameter and no fp32 copy of them on the way."""
+    n = 1 << 24
+    param = torch.nn.Parameter(torch.randn(n, device="cuda"))
+    saved = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(n, device="cuda", dtype=saved_dtype),
+                           "exp_avg_sq": torch.rand(n, device="cuda", dtype=saved_dtype)}},
+             "param_groups": [dict(lr=1e-3, betas=BETAS, eps=EPS, weight_decay=0.0, capturable=True, params=[0])]}
+    opt = AdamW([param])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.load_state_dict(saved)
+    torch.cuda.synchronize()
+    moments = 2 * n * 2  # two bf16 moments
+    assert torch.cuda.memory_allocated() - before <= moments + (1 << 20)
+    assert torch.cuda.max_memory_allocated() - before <= moments + (1 << 20)
+    assert torch.equal(opt.state[param]["exp_avg"], saved["state"][0]["exp_avg"].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("kwargs, message", [(dict(betas=(0.9, 1.0)), r"beta2 is 1.0"),
                                              (dict(betas=(-0.1, 0.9)), r"beta1 is -0.1"),
                                              (dict(eps=-1.0), "must be >= 0")])
