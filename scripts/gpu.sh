@@ -33,7 +33,8 @@
 #                         tensorwise (the faster mode in the steps part): the loss curves side by side
 #   profile      bench_model.py --profile on ours (flash, compiled): the defaults (AdamW state fp32, fused RoPE)
 #                and each change from them (bf16 state; RoPE in PyTorch ops), then scripts/kernel_categories.py: GPU
-#                ms per step by kernel category. Parts: large, 2.7B (shapes as in train-steps)
+#                ms per step by kernel category. Parts: small, large, 2.7B (shapes as in train-steps); by default
+#                large and 2.7B
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
 #                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 512, batch 4,
