@@ -118,7 +118,7 @@ step_attention() {
             n1024) run "$dir.log" 120 "$PY" bench_attention.py --batch 4 --heads 20 --seq-lens 1024 --d-heads 64 \
                        --causal yes "${PEERS[@]}" --graph-timing --out "$dir" ;;
             variants) run "$dir.log" 300 "$PY" bench_attention.py --preset variants --no-plots --out "$dir" ;;
-            training) run "$dir.log" 300 "$PY" bench_attention.py --preset training --graph-timing --no-plots \
+            training) run "$dir.log" 450 "$PY" bench_attention.py --preset training --graph-timing --no-plots \
                           --out "$dir" ;;
             *) echo "unknown part attention:$part (leaderboard, n4096, n8192, n1024, variants, training)"; STATUS=1 ;;
         esac
