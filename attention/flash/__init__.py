@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import torch
 
 from attention.flash import hopper, triton
-from attention.flash.common import as_bhsd, attention_function, default_scale, empty_like
+from attention.flash.common import as_bhsd, attention_function, bounds_of, default_scale, empty_like
 from attention.flash.triton import Tiles
 from attention.registry import (VARIANTS, UnsupportedInputError, graph_replay_requested,
                                 launches_replayed, register, validate_qkv, validate_variant)
@@ -256,19 +256,21 @@ FlashAttentionTriton = attention_function(
 # first eager call of an input signature chooses its kernels and keeps what it launched as a plan (triton.ForwardPlan
 # or hopper.ForwardPlan); later calls of the signature run the plan: they allocate the outputs and launch the compiled
 # kernels, without choosing kernels again, looking tiles up or building arguments and descriptors. The backward does
-# the same per gradient layout. Documents take the general path: their bounds are computed per call.
+# the same per gradient layout. Documents' bounds are computed once per forward, passed to its launches and kept for
+# its backward's.
 
 _MAX_PLANS = 1024  # input signatures kept; past it the cache starts again
 _plans: dict[tuple, tuple] = {}  # signature -> (forward plan, {gradient layout -> backward plan})
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               window: Optional[int], softcap: Optional[float]) -> tuple:
+               window: Optional[int], softcap: Optional[float], docs: bool) -> tuple:
     """What decides an eager forward's launches: the inputs' shapes, strides, 16-byte alignment (Triton specialises
-    on it), dtype and device; the arguments; the settings choose_kernels reads; the current device."""
+    on it), dtype and device; the arguments (docs: whether the call packs documents, whose bounds are then (batch,
+    seq) int32 whatever the doc_ids); the settings choose_kernels reads; the current device."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
             q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, causal, scale, window, softcap,
-            launches_replayed(), _kernels, torch.cuda.current_device() if q.is_cuda else None)
+            docs, launches_replayed(), _kernels, torch.cuda.current_device() if q.is_cuda else None)
 
 
 def _keep(cache: dict, key: tuple, value: object) -> None:
@@ -283,48 +285,48 @@ class _RegisteredFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, window=None, softcap=None, doc_ids=None):
-        key = None if doc_ids is not None else _signature(q, k, v, causal, scale, window, softcap)
-        plans = None if key is None else _plans.get(key)
+        docs = doc_ids is not None
+        key = _signature(q, k, v, causal, scale, window, softcap, docs)
+        plans = _plans.get(key)
+        bounds = bounds_of(q, doc_ids)
         if plans is not None:
-            o, lse = plans[0](q, k, v)
-        elif key is None:
-            scale = _scale_check(q, k, v, causal, scale)
-            o, lse = flash_forward(q, k, v, causal, scale, window=window, softcap=softcap, doc_ids=doc_ids)
+            o, lse = plans[0](q, k, v, bounds)
         else:  # the first call of this signature
             scale = _scale_check(q, k, v, causal, scale)
             q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
-            if _forward_problem(q4, k4, v4, causal, launches_replayed(), _kernels, None, softcap is not None,
-                                window) is None:
-                o, lse, plan = hopper.planned_forward(q, k, v, causal, scale, window)
+            if _forward_problem(q4, k4, v4, causal, launches_replayed(), _kernels, None, softcap is not None, window,
+                                docs) is None:
+                o, lse, plan = hopper.planned_forward(q, k, v, causal, scale, window, bounds)
             else:
-                o, lse, plan = triton.planned_forward(q, k, v, causal, scale, window, softcap)
+                o, lse, plan = triton.planned_forward(q, k, v, causal, scale, window, softcap, bounds)
             if plan is not None:  # None: the autotuner launched it (the next call resolves the launch), or > 4 dims
                 plans = (plan, {})
                 _keep(_plans, key, plans)
         # As FlashAttentionTriton: q, k, v, o and lse saved; doc_ids too, so autograd refuses a backward after it
-        # was changed in place.
+        # was changed in place. The backward's launches take the forward's document bounds.
         ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
         ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, float(scale), window, softcap  # a plan's scale too
-        ctx.backward_plans = None if plans is None else plans[1]
+        ctx.bounds, ctx.backward_plans = bounds, None if plans is None else plans[1]
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, *doc_ids = ctx.saved_tensors
         causal, scale, window, softcap = ctx.causal, ctx.scale, ctx.window, ctx.softcap
-        plans = ctx.backward_plans
+        plans, bounds = ctx.backward_plans, ctx.bounds
         if plans is not None:
             key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, launches_replayed(), _kernels)
             plan = plans.get(key)
             if plan is not None:
-                return (*plan(q, k, v, o, lse, do), None, None, None, None, None)
+                return (*plan(q, k, v, o, lse, do, bounds), None, None, None, None, None)
             # The first backward of this signature and gradient layout.
             q4, k4, v4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do)
             if _backward_problem(q4, k4, v4, do4, causal, launches_replayed(), _kernels, None, softcap is not None,
-                                 window) is None:
-                dq, dk, dv, plan = hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window)
+                                 window, bounds is not None) is None:
+                dq, dk, dv, plan = hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window, bounds)
             else:
-                dq, dk, dv, plan = triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap)
+                dq, dk, dv, plan = triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap,
+                                                           bounds)
             if plan is not None:
                 _keep(plans, key, plan)
             return dq, dk, dv, None, None, None, None, None

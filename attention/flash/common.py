@@ -8,6 +8,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from attention.masks import doc_bounds
 from attention.registry import Variant
 
 # (q, k, v, causal, scale, window, softcap, doc_ids) -> the resolved scale, raising UnsupportedInputError for inputs
@@ -31,6 +32,12 @@ def nan_filled_outputs() -> Iterator[None]:
         yield
     finally:
         _nan_filled = saved
+
+
+def bounds_of(q: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """A call's document bounds (attention.masks.doc_bounds) for the kernels, None without documents; q as the
+    registry takes it."""
+    return None if doc_ids is None else doc_bounds(doc_ids, tuple(q.shape[:-3]), q.shape[-2])
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

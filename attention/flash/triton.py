@@ -15,8 +15,7 @@ from typing import Optional
 
 import torch
 
-from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
-from attention.masks import doc_bounds
+from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of
 
 try:
     import triton
@@ -350,21 +349,22 @@ def _run(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs:
 
 
 def _meta(q: torch.Tensor, causal: bool, groups: int = 1, window: Optional[int] = None,
-          softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None) -> dict:
+          softcap: Optional[float] = None, docs: bool = False) -> dict:
     d = q.shape[-1]
     block_d = _block_d(d)
     return {"D": d, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype, block_d),
-            "GROUP": groups, "WINDOW": window is not None, "SOFTCAP": softcap is not None, "DOCS": doc_ids is not None}
+            "GROUP": groups, "WINDOW": window is not None, "SOFTCAP": softcap is not None, "DOCS": docs}
 
 
-def _variant_args(q4: torch.Tensor, lead: tuple[int, ...], scale: float, window: Optional[int],
-                  softcap: Optional[float], doc_ids: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
+def _variant_args(scale: float, window: Optional[int], softcap: Optional[float], bounds: Optional[tuple],
+                  dummy: torch.Tensor) -> tuple:
     """(START, END, qk_scale, cap_scale, cap_log2e, window): what the kernels take for the variants.
 
-    START, END: each position's document bounds, int32 (batch, seq), or `dummy` (never read) without documents.
-    Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the kernels' qk_scale is 1.
+    START, END: each position's document bounds, int32 (batch, seq) (`bounds`, from attention.masks.doc_bounds), or
+    `dummy` (never read) without documents. Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the
+    kernels' qk_scale is 1.
     """
-    start, end = (dummy, dummy) if doc_ids is None else doc_bounds(doc_ids, lead, q4.shape[-2])
+    start, end = (dummy, dummy) if bounds is None else bounds
     log2e = math.log2(math.e)
     if softcap is None:
         return start, end, scale * log2e, 0.0, 0.0, window or 0
@@ -385,14 +385,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     code inside a triton_op must. window, softcap, doc_ids: the variants (attention/registry.py); k and v may have
     fewer heads than q (GQA).
     """
-    o, lse, _ = _forward(q, k, v, causal, scale, tiles, traceable, window, softcap, doc_ids)
+    o, lse, _ = _forward(q, k, v, causal, scale, tiles, traceable, window, softcap, bounds_of(q, doc_ids))
     return o, lse
+
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, tiles: Optional[Tiles],
              traceable: bool, window: Optional[int], softcap: Optional[float],
-             doc_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Optional[Launch]]:
-    """forward(), and its launch resolved (None where the autotuner or the compiler launched it)."""
+             bounds: Optional[tuple]) -> tuple[torch.Tensor, torch.Tensor, Optional[Launch]]:
+    """forward(), and its launch resolved (None where the autotuner or the compiler launched it); bounds: the
+    documents' (see _variant_args)."""
     q4, k4, v4 = as_bhsd(q), as_bhsd(k), as_bhsd(v)
     b, h, n_q, d = q4.shape
     n_k = k4.shape[-2]
@@ -400,11 +402,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     o = empty_like(q)
     lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
     o4 = as_bhsd(o)
-    start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(
-        q4, tuple(q.shape[:-3]), scale, window, softcap, doc_ids, lse)
+    start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(scale, window, softcap, bounds, lse)
     args = (q4, k4, v4, o4, lse, start, end, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
             h, n_q, n_k, qk_scale, cap_scale, cap_log2e, window_arg)
-    meta = _meta(q, causal, _groups(q4, k4), window, softcap, doc_ids)
+    meta = _meta(q, causal, _groups(q4, k4), window, softcap, bounds is not None)
     with on_device_of(q):
         launch = _launch("fwd", (n_q, n_k), b * h, args, 7, meta, q, tiles, traceable)
     return o, lse, launch
@@ -417,25 +418,26 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}) replaces the
     autotuner's configs of those kernels; traceable and the variants as in `forward`. With GQA, each key/value
     head's dK/dV program sums over its query heads in turn: deterministic, no atomics."""
-    dq, dk, dv, _ = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, doc_ids)
+    dq, dk, dv, _ = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap,
+                              bounds_of(q, doc_ids))
     return dq, dk, dv
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]], traceable: bool,
-              window: Optional[int], softcap: Optional[float], doc_ids: Optional[torch.Tensor]) -> tuple:
-    """(dq, dk, dv, launches): backward(), and its launches resolved (delta, dK/dV, dQ), None unless all were."""
+              window: Optional[int], softcap: Optional[float], bounds: Optional[tuple]) -> tuple:
+    """(dq, dk, dv, launches): backward(), and its launches resolved (delta, dK/dV, dQ), None unless all were;
+    bounds as in _forward."""
     tiles = tiles or {}
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
     b, h, n_q, d = q4.shape
     n_k = k4.shape[-2]
     groups = _groups(q4, k4)
-    meta = _meta(q, causal, groups, window, softcap, doc_ids)
+    meta = _meta(q, causal, groups, window, softcap, bounds is not None)
     dq, dk, dv = (empty_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = as_bhsd(dq), as_bhsd(dk), as_bhsd(dv)
-    start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(
-        q4, tuple(q.shape[:-3]), scale, window, softcap, doc_ids, lse)
+    start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(scale, window, softcap, bounds, lse)
     with on_device_of(q):
         rowsum, delta_launch = delta_and_launch(o4, do4, traceable)
         args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
@@ -479,22 +481,25 @@ def plannable(*tensors: torch.Tensor) -> bool:
 
 
 class ForwardPlan:
-    """forward() of one input signature, resolved: `plan(q, k, v) -> (o, lse)`."""
+    """forward() of one input signature, resolved: `plan(q, k, v, bounds) -> (o, lse)`, bounds the call's document
+    bounds (attention.masks.doc_bounds) where the signature has documents, else None."""
 
     __slots__ = ("launch", "lse_shape")
 
     def __init__(self, launch: Launch, lse_shape: tuple[int, ...]):
         self.launch, self.lse_shape = launch, lse_shape
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
         o = empty_like(q)
         lse = empty(self.lse_shape, torch.float32, q.device)
-        self.launch(q, k, v, o, lse, lse, lse)  # START and END, not read without documents, as in _variant_args
+        self.launch(q, k, v, o, lse, *(bounds or (lse, lse)))  # START, END: unread without documents
         return o, lse
 
 
 class BackwardPlan:
-    """backward() of one input signature, resolved: `plan(q, k, v, o, lse, do) -> (dq, dk, dv)`."""
+    """backward() of one input signature, resolved: `plan(q, k, v, o, lse, do, bounds) -> (dq, dk, dv)`, bounds as
+    in ForwardPlan."""
 
     __slots__ = ("delta", "dkdv", "dq", "rowsum_shape")
 
@@ -502,21 +507,23 @@ class BackwardPlan:
         (self.delta, self.dkdv, self.dq), self.rowsum_shape = launches, rowsum_shape
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 do: torch.Tensor, bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         rowsum = empty(self.rowsum_shape, torch.float32, q.device)
+        start, end = bounds or (lse, lse)
         self.delta(o, do, rowsum)
-        self.dkdv(q, k, v, do, lse, rowsum, dk, dv, lse, lse)
-        self.dq(q, k, v, do, lse, rowsum, dq, lse, lse)
+        self.dkdv(q, k, v, do, lse, rowsum, dk, dv, start, end)
+        self.dq(q, k, v, do, lse, rowsum, dq, start, end)
         return dq, dk, dv
 
 
 def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    window: Optional[int] = None,
-                    softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
-    """(o, lse) as forward() computes them without documents, and the plan that repeats the call for inputs of the
-    same signature; None where there is none yet (the autotuner launched the kernel) or can be none."""
-    o, lse, launch = _forward(q, k, v, causal, scale, None, False, window, softcap, None)
+                    window: Optional[int] = None, softcap: Optional[float] = None,
+                    bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
+    """(o, lse) as forward() computes them (bounds: the documents' bounds, ForwardPlan's), and the plan that repeats
+    the call for inputs of the same signature; None where there is none yet (the autotuner launched the kernel) or
+    can be none."""
+    o, lse, launch = _forward(q, k, v, causal, scale, None, False, window, softcap, bounds)
     if launch is None or not plannable(q, k, v):
         return o, lse, None
     return o, lse, ForwardPlan(launch, tuple(lse.shape))
@@ -524,10 +531,10 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                      do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                     softcap: Optional[float] = None) -> tuple:
-    """(dq, dk, dv, plan): backward() without documents, and the plan that repeats it, as planned_forward.
-    lse: contiguous, as forward() makes it."""
-    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, None, False, window, softcap, None)
+                     softcap: Optional[float] = None, bounds: Optional[tuple] = None) -> tuple:
+    """(dq, dk, dv, plan): backward(), and the plan that repeats it, as planned_forward. lse: contiguous, as
+    forward() makes it."""
+    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, None, False, window, softcap, bounds)
     if launches is None or not plannable(q, k, v, o, do) or not lse.is_contiguous():
         return dq, dk, dv, None
     return dq, dk, dv, BackwardPlan(launches, tuple(as_bhsd(o).shape[:-1]))

@@ -357,9 +357,47 @@ def test_each_signature_gets_its_own_plan():
     with use_kernels("auto"):  # the kernel setting is part of the signature
         flash(q, k, v, causal=True)
     assert len(flash_pkg._plans) == len(other_signatures) + 2
-    flash(q, k, v, causal=True, doc_ids=torch.tensor([0] * 16 + [1] * 16, device=q.device))  # bounds per call
+    flash(q, k, v, causal=True, doc_ids=torch.tensor([0] * 16 + [1] * 16, device=q.device))  # documents
+    flash(q, k, v, causal=True, doc_ids=torch.tensor([0] * 5 + [1] * 27, device=q.device))  # other ones, same plan
+    assert len(flash_pkg._plans) == len(other_signatures) + 3
     flash(q.reshape(1, 1, 2, 32, 16), k.reshape(1, 1, 2, 32, 16), v.reshape(1, 1, 2, 32, 16), causal=True)  # 5 dims
-    assert len(flash_pkg._plans) == len(other_signatures) + 2
+    assert len(flash_pkg._plans) == len(other_signatures) + 3
+
+
+def random_doc_ids(batch: int, n: int, seed: int) -> torch.Tensor:
+    """(batch, n) non-decreasing ids: documents of random lengths, some of one position."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.sort(torch.randint(0, n // 4, (n,), generator=g)).values for _ in range(batch)])
+
+
+@pytest.mark.parametrize("h, h_kv, window", [(2, 2, None), (4, 2, 6)])
+def test_documents_run_through_the_plan_with_each_calls_bounds(monkeypatch, h, h_kv, window):
+    """A signature with documents gets a plan like any other; each call's own documents reach its launches, forward
+    and backward, bitwise as the general path computes them."""
+    flash = get_attention("flash")
+    b, n, d = 2, 40, 16
+
+    def inputs(seed):
+        return [randn(b, heads, n, d, seed=seed + i).requires_grad_() for i, heads in enumerate((h, h_kv, h_kv))]
+
+    first = inputs(0)
+    o = flash(*first, causal=True, window=window, doc_ids=random_doc_ids(b, n, seed=1).to(DEVICE))
+    torch.autograd.grad(o, first, randn(*o.shape, seed=19))
+    assert len(flash_pkg._plans) == 1
+    q, k, v = inputs(10)
+    doc_ids, do = random_doc_ids(b, n, seed=2).to(DEVICE), randn(*o.shape, seed=20)
+    expected = grads_of_flash(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True, None, window, None, doc_ids),
+                              (q, k, v), do)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the general path ran for a signature that has a plan")
+
+    for module, name in ((flash_triton, "_launch"), (flash_triton, "delta_and_launch"), (flash_pkg, "_check")):
+        monkeypatch.setattr(module, name, refused)
+    planned = grads_of_flash(lambda q, k, v: flash(q, k, v, causal=True, window=window, doc_ids=doc_ids), (q, k, v),
+                             do)
+    assert all(torch.equal(a, b) for a, b in zip(planned, expected))
+    assert len(flash_pkg._plans) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------
