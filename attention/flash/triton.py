@@ -389,7 +389,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     return o, lse
 
 
-
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, tiles: Optional[Tiles],
              traceable: bool, window: Optional[int], softcap: Optional[float],
              bounds: Optional[tuple]) -> tuple[torch.Tensor, torch.Tensor, Optional[Launch]]:
