@@ -611,6 +611,38 @@ def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
 
 
 @requires_hopper
+def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatch):
+    """With documents, the second call of a signature runs its plans (the Triton forward's, the Hopper backward's)
+    with its own documents' bounds, and gives bitwise what the general path gives for those documents."""
+    import attention.flash as flash_pkg
+    from attention import get_attention, graph_replay
+
+    flash = get_attention("flash")
+    n = 256
+    with graph_replay():  # the Hopper backward at any size
+        first = [t.requires_grad_() for t in make_qkv(2, 4, n, 64, torch.bfloat16, "bhsd", seed=0)]
+        o = flash(*first, causal=True, doc_ids=random_doc_ids(2, n, 1, 100, seed=1))
+        torch.autograd.grad(o, first, randn(*o.shape, seed=3, dtype=torch.bfloat16))
+        (_, backward_plans), = flash_pkg._plans.values()
+        assert [type(p) for p in backward_plans.values()] == [hopper.BackwardPlan]
+        inputs = [t.requires_grad_() for t in make_qkv(2, 4, n, 64, torch.bfloat16, "bhsd", seed=10)]
+        doc_ids = random_doc_ids(2, n, 1, 100, seed=2)
+        do = randn(*o.shape, seed=20, dtype=torch.bfloat16)
+        detached = [t.detach() for t in inputs]
+        o_ref, lse = flash_forward(*detached, True, 0.125, doc_ids=doc_ids)
+        expected = (o_ref, *flash_backward(*detached, o_ref, lse, do, True, 0.125, doc_ids=doc_ids))
+
+        def refused(*args, **kwargs):
+            raise AssertionError("the general path ran for a signature that has a plan")
+
+        for name in ("forward", "backward", "_descriptor"):
+            monkeypatch.setattr(hopper, name, refused)
+        o = flash(*inputs, causal=True, doc_ids=doc_ids)
+        planned = (o, *torch.autograd.grad(o, inputs, do))
+    assert all(torch.equal(a, b) for a, b in zip(planned, expected))
+
+
+@requires_hopper
 def test_plans_keep_no_tensor_of_their_calls_alive():
     """Once a call's outputs are dropped, the memory in use is what it was before the call: the plans it made (first
     call) or ran (second) hold none of its tensors in their descriptors."""
