@@ -39,6 +39,16 @@ def randn(*shape, dtype=torch.float32, seed=0, device=DEVICE) -> torch.Tensor:
     """Fresh standard-normal values from their own seeded generator, drawn on the CPU (the same on any device)."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
+
+def random_doc_ids(b: int, n: int, shortest: int, longest: int, seed: int, device=DEVICE) -> torch.Tensor:
+    """(b, n) int32 non-decreasing ids: documents of random lengths in [shortest, longest]."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        lengths = torch.randint(shortest, longest + 1, (n,), generator=g)
+        rows.append(torch.repeat_interleave(torch.arange(n, dtype=torch.int32), lengths)[:n])
+    return torch.stack(rows).to(device)
+
 # Relative Frobenius error allowed against float64, by input dtype.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 

@@ -11,6 +11,7 @@ import torch
 
 from attention.flash import flash_attention, flash_backward, flash_forward, hopper, use_kernels
 from attention.flash.hopper import HopperTiles
+from tests.attention.conftest import random_doc_ids
 
 CUDA = torch.cuda.is_available()
 HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper._gluon_problem() is None
@@ -460,16 +461,6 @@ def visible64(n, causal, window, doc_ids):
         ids = doc_ids.cpu()
         keep = keep & (ids[:, :, None] == ids[:, None, :])
     return keep[:, None]
-
-
-def random_doc_ids(b, n, shortest, longest, seed):
-    """(b, n) int32 non-decreasing ids: documents of random lengths in [shortest, longest]."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(b):
-        lengths = torch.randint(shortest, longest + 1, (n,), generator=g)
-        rows.append(torch.repeat_interleave(torch.arange(n, dtype=torch.int32), lengths)[:n])
-    return torch.stack(rows).to(DEVICE)
 
 
 MASK_CASES = {  # name: (causal, window, documents as (shortest, longest) lengths or None)

@@ -18,7 +18,7 @@ from attention.flash import FlashAttentionTriton, Tiles, flash_backward, flash_f
 from attention.flash import triton as flash_triton
 import attention.flash as flash_pkg
 from attention.flash.common import empty, nan_filled_outputs
-from tests.attention.conftest import dtype_id, randn
+from tests.attention.conftest import dtype_id, random_doc_ids, randn
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -364,12 +364,6 @@ def test_each_signature_gets_its_own_plan():
     assert len(flash_pkg._plans) == len(other_signatures) + 3
 
 
-def random_doc_ids(batch: int, n: int, seed: int) -> torch.Tensor:
-    """(batch, n) non-decreasing ids: documents of random lengths, some of one position."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.sort(torch.randint(0, n // 4, (n,), generator=g)).values for _ in range(batch)])
-
-
 @pytest.mark.parametrize("h, h_kv, window", [(2, 2, None), (4, 2, 6)])
 def test_documents_run_through_the_plan_with_each_calls_bounds(monkeypatch, h, h_kv, window):
     """A signature with documents gets a plan like any other; each call's own documents reach its launches, forward
@@ -381,11 +375,11 @@ def test_documents_run_through_the_plan_with_each_calls_bounds(monkeypatch, h, h
         return [randn(b, heads, n, d, seed=seed + i).requires_grad_() for i, heads in enumerate((h, h_kv, h_kv))]
 
     first = inputs(0)
-    o = flash(*first, causal=True, window=window, doc_ids=random_doc_ids(b, n, seed=1).to(DEVICE))
+    o = flash(*first, causal=True, window=window, doc_ids=random_doc_ids(b, n, 1, 12, seed=1))
     torch.autograd.grad(o, first, randn(*o.shape, seed=19))
     assert len(flash_pkg._plans) == 1
     q, k, v = inputs(10)
-    doc_ids, do = random_doc_ids(b, n, seed=2).to(DEVICE), randn(*o.shape, seed=20)
+    doc_ids, do = random_doc_ids(b, n, 1, 12, seed=2), randn(*o.shape, seed=20)
     expected = grads_of_flash(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True, None, window, None, doc_ids),
                               (q, k, v), do)
 
