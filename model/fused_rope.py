@@ -15,6 +15,7 @@ import torch
 
 from model.layers import RotaryEmbedding
 
+
 def split_heads(qkv: torch.Tensor, n_heads: int,
                 n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv (batch, seq, (n_heads + 2 n_kv_heads) * d_head) -> views q (batch, seq, n_heads, d_head), k and v
