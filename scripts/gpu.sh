@@ -14,7 +14,8 @@
 #                  n4096        B1 H16 N4096 D64 causal, --graph-timing
 #                  n8192        B2 H16 N8192 D64 and D128, causal and not
 #                  n1024        B4 H20 N1024 D64 causal, --graph-timing     (the large model's attention)
-#                  variants     --preset variants (GQA, window, documents, softcap, all four; against flex, sdpa, cuDNN)
+#                  variants     --preset variants --graph-timing (GQA, window, documents, softcap, all four;
+#                               against flex, sdpa, cuDNN)
 #                  training     --preset training --graph-timing (the shapes models train with)
 #   train-steps  bench_model.py --mode train-step, bf16, compiled, every step replayed as one CUDA graph, AdamW
 #                during the backward (--overlap-optimizer) with fp32 and bf16 moments (--optim-state-dtype), RoPE in
@@ -117,7 +118,8 @@ step_attention() {
                        --causal both "${PEERS[@]}" --out "$dir" ;;
             n1024) run "$dir.log" 120 "$PY" bench_attention.py --batch 4 --heads 20 --seq-lens 1024 --d-heads 64 \
                        --causal yes "${PEERS[@]}" --graph-timing --out "$dir" ;;
-            variants) run "$dir.log" 300 "$PY" bench_attention.py --preset variants --no-plots --out "$dir" ;;
+            variants) run "$dir.log" 300 "$PY" bench_attention.py --preset variants --graph-timing --no-plots \
+                          --out "$dir" ;;
             training) run "$dir.log" 450 "$PY" bench_attention.py --preset training --graph-timing --no-plots \
                           --out "$dir" ;;
             *) echo "unknown part attention:$part (leaderboard, n4096, n8192, n1024, variants, training)"; STATUS=1 ;;
