@@ -29,11 +29,11 @@ from torch import nn
 
 
 def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            step: torch.Tensor, lr: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float, eps: float,
-            weight_decay: float, copy: Optional[torch.Tensor]) -> None:
+            step: torch.Tensor, lr: torch.Tensor, grad_scale: Optional[torch.Tensor], beta1: float, beta2: float,
+            eps: float, weight_decay: float, copy: Optional[torch.Tensor]) -> None:
     """One AdamW step of one flat parameter in torch ops, in place (its moments, its weight and, if given, its
     low-precision copy); `step` is the count including this step. The CPU path, and the kernel's reference."""
-    g = grad.float() * grad_scale
+    g = grad.float() if grad_scale is None else grad.float() * grad_scale
     m = exp_avg.float().lerp(g, 1 - beta1)
     v = exp_avg_sq.float() * beta2 + (1 - beta2) * g * g
     step_size = lr / (1 - beta1 ** step)
@@ -56,16 +56,17 @@ def _log2(beta: float) -> float:
 
 
 def _launch(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            step: torch.Tensor, lr: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float, eps: float,
-            weight_decay: float, copy: Optional[torch.Tensor]) -> None:
+            step: torch.Tensor, lr: torch.Tensor, grad_scale: Optional[torch.Tensor], beta1: float, beta2: float,
+            eps: float, weight_decay: float, copy: Optional[torch.Tensor]) -> None:
     """_update as one Triton kernel (training/adamw_kernel.py)."""
     from training.adamw_kernel import adamw_step
 
     n = param.numel()
+    # Without a scale, any pointer stands in for it: HAS_SCALE=False never reads it.
     adamw_step[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, param if copy is None else copy, step, lr, grad_scale, n,
-        beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-        HAS_COPY=copy is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        param, grad, exp_avg, exp_avg_sq, param if copy is None else copy, step, lr,
+        lr if grad_scale is None else grad_scale, n, beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
+        HAS_COPY=copy is not None, HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -125,7 +126,7 @@ class AdamW(torch.optim.Optimizer):
             # The kernel reads the learning rate on the device: a float one is filled there (a kernel launch, no
             # host-to-device copy to wait for).
             lr = lr.to(device) if isinstance(lr, torch.Tensor) else torch.full((), lr, device=device)
-            scale = torch.ones((), device=device) if grad_scale is None else grad_scale.to(device)
+            scale = None if grad_scale is None else grad_scale.to(device)
             update = _launch if device.type == "cuda" else _update
             beta1, beta2 = group["betas"]
             if any(p.grad.is_sparse for p in params):

@@ -10,7 +10,7 @@ import triton.language as tl
 @triton.jit
 def adamw_step(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, step_ptr, lr_ptr, scale_ptr, n,
                beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
-               HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+               HAS_COPY: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     # Per program, not per element: the bias corrections from the (already incremented) step count.
@@ -18,7 +18,9 @@ def adamw_step(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, step_
     lr = tl.load(lr_ptr)
     step_size = lr / (1 - tl.exp2(step * log2_beta1))
     bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(step * log2_beta2))
-    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * tl.load(scale_ptr)
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr)
     m = tl.load(exp_avg_ptr + offs, mask=mask).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask).to(tl.float32)
     # torch's lerp(m, g, 1 - beta1): from the nearer end, so that beta1 = 0 gives g exactly

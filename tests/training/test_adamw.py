@@ -238,14 +238,15 @@ KERNEL_DEVICE = "cuda" if CUDA else ("cpu" if os.environ.get("TRITON_INTERPRET")
 @pytest.mark.parametrize("state_dtype, copy_dtype", [(torch.float32, None), (torch.float32, torch.float16)]
                          + [(torch.bfloat16, torch.bfloat16)] * CUDA)  # the interpreter truncates bf16 stores
 @pytest.mark.parametrize("numel, beta1", [(1, 0.9), (2047, 0.9), (2048, 0.0), (5000, 0.9)])
-def test_the_kernel_is_the_torch_update(numel, beta1, state_dtype, copy_dtype):
+@pytest.mark.parametrize("grad_scale", [0.6, None])
+def test_the_kernel_is_the_torch_update(numel, beta1, grad_scale, state_dtype, copy_dtype):
     g = torch.Generator().manual_seed(numel)
     make = lambda dtype=torch.float32: torch.randn(numel, generator=g).to(KERNEL_DEVICE, dtype)
     inputs = dict(param=make(), grad=make(), exp_avg=make(state_dtype), exp_avg_sq=make(state_dtype).abs(),
                   copy=None if copy_dtype is None else make(copy_dtype))
     scalars = dict(step=torch.tensor(7.0, device=KERNEL_DEVICE), lr=torch.tensor(3e-3, device=KERNEL_DEVICE),
-                   grad_scale=torch.tensor(0.6, device=KERNEL_DEVICE), beta1=beta1, beta2=0.95, eps=1e-8,
-                   weight_decay=0.1)
+                   grad_scale=None if grad_scale is None else torch.tensor(grad_scale, device=KERNEL_DEVICE),
+                   beta1=beta1, beta2=0.95, eps=1e-8, weight_decay=0.1)
     ours = {k: None if v is None else v.clone() for k, v in inputs.items()}
     adamw._launch(**ours, **scalars)
     adamw._update(**inputs, **scalars)
