@@ -28,10 +28,11 @@
 #                losses and step times side by side
 #   fp8          float8 training against bf16 in the same run (torchao: on a machine without network access, put
 #                its wheel in ./.wheels):
-#                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), compiled + CUDA graph,
-#                         --fp8 off,tensorwise,rowwise
+#                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), bf16's fastest
+#                         configuration (compiled, CUDA graph, bf16 AdamW state overlapped with the backward, fused
+#                         RoPE) with --fp8 off,tensorwise; large also profiled (kernel categories of both)
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
-#                         tensorwise (the faster mode in the steps part): the loss curves side by side
+#                         tensorwise (torchao's fastest recipe): the loss curves side by side
 #   profile      bench_model.py --profile on ours (flash, compiled): the defaults (AdamW state fp32, fused RoPE)
 #                and each change from them (bf16 state; RoPE in PyTorch ops), then scripts/kernel_categories.py: GPU
 #                ms per step by kernel category. Parts: small, large, 2.7B (shapes as in train-steps); by default
@@ -183,11 +184,20 @@ step_fp8() {
         case $part in
             steps)
                 for size in large 2.7B; do
+                    local profile=()
+                    [ "$size" = large ] && profile=(--profile "$dir/prof-$size" --profile-steps 2)
                     # shellcheck disable=SC2046
                     run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
-                        --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash \
-                        --cuda-graph on --fp8 off,tensorwise,rowwise --out "$dir/steps-$size"
-                done ;;
+                        --mode train-step --warmup 3 --steps 8 --no-progress --compile on --attn flash \
+                        --cuda-graph on --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on \
+                        --fp8 off,tensorwise "${profile[@]}" --out "$dir/steps-$size"
+                done
+                [ "$DRY_RUN" = 1 ] && continue
+                for trace in "$dir"/prof-large/*/trace.json; do
+                    [ -f "$trace" ] || continue
+                    echo "== $(basename "$(dirname "$trace")")"
+                    "$PY" scripts/kernel_categories.py "$trace" 2 --top 40
+                done > "$dir/profile-large-kernel-categories.txt" ;;
             loss)
                 local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
                               --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
