@@ -24,8 +24,8 @@
 #                  small (batch 16, context 1024)   large (batch 4, context 1024)   2.7B (batch 4, context 512)
 #   train-variants  train.py, small, bf16, flash, its defaults (compiled, a CUDA graph where the run allows one), 300
 #                steps on the built-in corpus as BPE (prepare_data.py): the plain model, the same with
-#                --pack-documents, and with GQA (4 kv heads), windows of 256 (LLLG), documents and a softcap of 50:
-#                losses and step times side by side
+#                --pack-documents, with GQA (4 kv heads), windows of 256 (LLLG) and documents, and with a softcap
+#                of 50 too: losses and step times side by side
 #   fp8          float8 training against bf16 in the same run (torchao: on a machine without network access, put
 #                its wheel in ./.wheels):
 #                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), bf16's fastest
@@ -169,12 +169,14 @@ step_train_variants() {
     run "$dir/plain.log" 240 "$PY" train.py "${common[@]}" --out "$dir/plain"
     run "$dir/packed.log" 240 "$PY" train.py "${common[@]}" --pack-documents --out "$dir/packed"
     run "$dir/variants.log" 240 "$PY" train.py "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 \
-        --window-pattern LLLG --attn-softcap 50 --out "$dir/variants"
+        --window-pattern LLLG --out "$dir/variants"
+    run "$dir/softcap.log" 240 "$PY" train.py "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 \
+        --window-pattern LLLG --attn-softcap 50 --out "$dir/softcap"
     SUMMARIES+=(summary_train_variants)
 }
 summary_train_variants() {
     echo "## train-variants: small, bf16, flash ($OUT/train-variants/*/metrics.jsonl)"
-    summarize train-variants "$OUT/train-variants"
+    summarize train-variants "$OUT/train-variants" plain packed variants softcap
 }
 
 # --- fp8 -------------------------------------------------------------------------------------------------------
