@@ -32,7 +32,7 @@
 #                         configuration (compiled, CUDA graph, bf16 AdamW state overlapped with the backward, fused
 #                         RoPE) with --fp8 off,tensorwise; large also profiled (kernel categories of both)
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
-#                         tensorwise (torchao's fastest recipe): the loss curves side by side
+#                         tensorwise (torchao's fastest recipe), with seeds 0 and 1: the loss curves side by side
 #   profile      bench_model.py --profile on ours (flash, compiled): the defaults (AdamW state fp32, fused RoPE)
 #                and each change from them (bf16 state; RoPE in PyTorch ops), then scripts/kernel_categories.py: GPU
 #                ms per step by kernel category. Parts: small, large, 2.7B (shapes as in train-steps); by default
@@ -203,8 +203,13 @@ step_fp8() {
             loss)
                 local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
                               --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
-                run "$dir/loss-bf16.log" 300 "$PY" train.py "${common[@]}" --out "$dir/loss-bf16"
-                run "$dir/loss-tensorwise.log" 300 "$PY" train.py "${common[@]}" --fp8 tensorwise --out "$dir/loss-tensorwise" ;;
+                local seed name
+                for seed in 0 1; do
+                    name=$([ "$seed" = 0 ] && echo loss || echo "loss-seed$seed")
+                    run "$dir/$name-bf16.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --out "$dir/$name-bf16"
+                    run "$dir/$name-tensorwise.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --fp8 tensorwise \
+                        --out "$dir/$name-tensorwise"
+                done ;;
             *) echo "unknown part fp8:$part (steps, loss)"; STATUS=1 ;;
         esac
     done
@@ -213,7 +218,7 @@ step_fp8() {
 summary_fp8() {
     echo "## fp8: bf16, compiled, CUDA graph ($OUT/fp8/*/results.json, $OUT/fp8/loss-*/metrics.jsonl)"
     summarize train-steps "$OUT"/fp8/steps-*/results.json
-    summarize train-variants "$OUT/fp8" loss-bf16 loss-tensorwise
+    summarize train-variants "$OUT/fp8" loss-bf16 loss-tensorwise loss-seed1-bf16 loss-seed1-tensorwise
 }
 
 # --- profile ---------------------------------------------------------------------------------------------------
