@@ -194,12 +194,18 @@ step_fp8() {
                         --cuda-graph on --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on \
                         --fp8 off,tensorwise "${profile[@]}" --out "$dir/steps-$size"
                 done
-                [ "$DRY_RUN" = 1 ] && continue
+                if [ "$DRY_RUN" = 1 ]; then
+                    echo "   \$ $PY scripts/kernel_categories.py $dir/prof-large/*/trace.json 2 --top 40"
+                    continue
+                fi
+                local trace found=0
                 for trace in "$dir"/prof-large/*/trace.json; do
                     [ -f "$trace" ] || continue
+                    found=1
                     echo "== $(basename "$(dirname "$trace")")"
                     "$PY" scripts/kernel_categories.py "$trace" 2 --top 40
-                done > "$dir/profile-large-kernel-categories.txt" ;;
+                done > "$dir/profile-large-kernel-categories.txt"
+                [ $found = 1 ] || { echo "   no trace.json under $dir/prof-large"; STATUS=1; } ;;
             loss)
                 local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
                               --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
