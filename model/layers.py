@@ -162,9 +162,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"seq_dim must be -2 or further left (counted from d_head = -1), got {seq_dim}")
         seq = x.shape[seq_dim]
         if positions is None:
-            if seq > self.max_seq_len:
-                raise ValueError(f"RoPE tables cover {self.max_seq_len} positions; got a sequence of {seq}")
-            cos, sin = self.cos[:seq], self.sin[:seq]
+            cos, sin = self.angles(seq)
         else:
             if not torch.compiler.is_compiling() and int(positions.max()) >= self.max_seq_len:
                 raise ValueError(f"RoPE tables cover positions < {self.max_seq_len}; got {int(positions.max())}")
@@ -172,6 +170,12 @@ class RotaryEmbedding(nn.Module):
         # (seq, half) -> (seq, 1, ..., half): broadcast over the dims between seq and d_head.
         cos, sin = (t.view(seq, *[1] * (-seq_dim - 2), t.shape[-1]) for t in (cos, sin))
         return self.rotate(x, cos, sin)
+
+    def angles(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions 0 .. seq - 1, (seq, d_head / 2) each."""
+        if seq > self.max_seq_len:
+            raise ValueError(f"RoPE tables cover {self.max_seq_len} positions; got a sequence of {seq}")
+        return self.cos[:seq], self.sin[:seq]
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

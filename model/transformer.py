@@ -48,9 +48,7 @@ class CausalSelfAttention(nn.Module):
         # projection, q and k included, alive (0.7 GiB on `large` at b4 T1024). That order: attention outputs follow
         # q's memory order (cuDNN and flash), so the "b s (h d)" below is a view, not a second copy of o next to
         # the one the backend saves (0.35 GiB). Both measured with bench_model --memory-snapshot on the H100.
-        if rope_angles is None and x.shape[1] > self.rope.max_seq_len:
-            raise ValueError(f"RoPE tables cover {self.rope.max_seq_len} positions; got a sequence of {x.shape[1]}")
-        cos, sin = rope_angles or (self.rope.cos[:x.shape[1]], self.rope.sin[:x.shape[1]])  # ([batch,] seq, d_head/2)
+        cos, sin = rope_angles or self.rope.angles(x.shape[1])  # ([batch,] seq, d_head / 2)
         q, k, v = self.split_rotate(qkv, self.n_heads, self.n_kv_heads, cos, sin)
         q, k, v = (einx.id("b s h d -> b h s d", t) for t in (q, k, v))
         if doc_ids is None:
