@@ -4,8 +4,7 @@ Two sets of kernels compute it: Triton kernels that run every input (triton.py, 
 kernels for Hopper GPUs that run the inputs they support faster (hopper.py, hopper_kernels.py). `choose_kernels`
 decides between them, for the forward and the backward, and says why; the launches ask it, so what it says is what
 runs. `use_kernels("triton")` forces the Triton kernels. `flash-torch` (reference.py) is the readable specification.
-The variants (attention/registry.py) run on both, except softcap (Triton only); the forward of documents and of
-windows under hopper.FORWARD_MIN_WINDOW keys stays on the Triton kernels, faster there.
+The variants (attention/registry.py) run on both, except softcap (Triton only).
 
     from attention.flash import FlashAttentionTriton, FlashAttentionTorch, choose_kernels, use_kernels
 """

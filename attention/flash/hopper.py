@@ -34,12 +34,13 @@ MIN_SCORES = 2**28
 # (B1 H16 N4096: 0.117 against 0.123 ms; at B2 H16 N2048, 2^26, 0.072 against 0.070) and at every size tried at
 # d 128.
 REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
-# A Hopper program holds an SM alone and pays its start and end (loads, pipeline fill, the store of O) once per
-# program; with few key tiles per row the Triton forward, several programs to an SM, hides that and is faster. Kernel
-# times on the H100 at B1 H16 N16384 d 64 causal, Triton against Hopper: window 1024 0.231 against 0.290 ms, window
-# 4096 0.685 against 0.622, documents of mean length 1024 0.238 against 0.420. The Hopper backward was faster at all
-# three (0.768 against 0.505, 2.258 against 1.522, 0.673 against 0.434), so only the forward stays on Triton.
-FORWARD_MIN_WINDOW = 4096
+# A Hopper program holds an SM alone and pays its start and end (Q's load, the pipeline's fill, O's store) once. With
+# few key tiles per row (documents, windows under this many keys) the forward runs persistent: a program per SM takes
+# work items one after another, the next one's loads overlapping the last one's end. Kernel times (CUDA-graph replay)
+# on the H100 at B1 H16 N16384 d 64 causal, persistent (two consumers, 64-key tiles) against a program per item and
+# against the Triton forward: documents of mean length 1024 0.214 against 0.451 and 0.241 ms; window 1024 0.228
+# against 0.270 and 0.229; window 4096 0.763 against 0.588 (a program per item, where longer rows hide its start).
+PERSISTENT_MAX_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class HopperTiles:
     block_n: int
     stages: int
     block_m: int = 64  # one warpgroup's wgmma rows
+    persistent: bool = False  # the forward only: a program per SM runs work items one after another
 
     @property
     def rows(self) -> int:
@@ -62,14 +64,18 @@ class HopperTiles:
         return {2: 240, 3: 160}[self.consumers]
 
 
-def tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> HopperTiles:
-    """Three consumers (192 rows a program) when that still gives every SM four programs, else two.
+def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[int] = None,
+              docs: bool = False) -> HopperTiles:
+    """The forward's tiles: persistent for short key ranges (documents, windows under PERSISTENT_MAX_WINDOW);
+    otherwise three consumers (192 rows a program) when that still gives every SM four programs, else two.
 
     Measured on the H100: three consumers ran the B1 H16 N16384 d 64 causal forward 8% faster than two, d 128
     causal 9%, d 64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
     were 16% faster in one run and 4% slower in the next, where host time bounds both; that size now stays below
     MIN_SCORES.
     """
+    if docs or (window is not None and window < PERSISTENT_MAX_WINDOW):
+        return HopperTiles(consumers=2, block_n=64, stages=4, persistent=True)
     block_n = 128 if d == 64 else 64
     three = HopperTiles(consumers=3, block_n=block_n, stages=3)
     if batch_heads * math.ceil(n / three.rows) >= 4 * sm_count:
@@ -203,20 +209,12 @@ def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
     replayed: the launch will be replayed from a CUDA graph (attention.registry.launches_replayed), so host time
     does not count. capability: decide for a GPU of this (major, minor) instead of q's device. window, docs: the
-    call's window, and whether it packs documents (see FORWARD_MIN_WINDOW).
+    call's window, and whether it packs documents (see `problem`).
     """
     b, h, n, d = q.shape
     capability = capability or device_capability(q)
-    return (problem("forward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed, window)
-            or _short_rows_problem(window, docs) or _layout_problem(q=q, k=k, v=v) or _gluon_problem())
-
-
-def _short_rows_problem(window: Optional[int], docs: bool) -> Optional[str]:
-    if docs:
-        return "documents run on the Triton forward (faster at mean length 1024)"
-    if window is not None and window < FORWARD_MIN_WINDOW:
-        return f"a window under {FORWARD_MIN_WINDOW} keys runs on the Triton forward (faster)"
-    return None
+    return (problem("forward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed, window, docs)
+            or _layout_problem(q=q, k=k, v=v) or _gluon_problem())
 
 
 def backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
@@ -330,16 +328,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     from attention.flash.hopper_kernels import attn_fwd_hopper
 
     b, h, n, d = q.shape
-    t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0))
+    t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0), masks.window, masks.starts is not None)
     _check_tiles(n, t)
     q_desc, q_index = _descriptor(q, t.block_m)
     k_desc, k_index = _descriptor(k, t.block_n)
     v_desc, v_index = _descriptor(v, t.block_n)
     starts, ends, window = masks.arguments(lse)
     descs = (q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m))
-    grid = (triton.cdiv(n, t.rows), b * h)
-    args = (*descs, lse, starts, ends, *q_index, *k_index, *v_index, h, n, window, scale * math.log2(math.e))
-    meta = _meta(t, causal, h // k.shape[1], **masks.constexprs())
+    items = (triton.cdiv(n, t.rows), b * h)
+    grid = (min(items[0] * items[1], _sm_count(q.device.index or 0)), 1) if t.persistent else items
+    args = (*descs, lse, starts, ends, *q_index, *k_index, *v_index, h, n, b * h, window, scale * math.log2(math.e))
+    meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), PERSISTENT=t.persistent)
     return _launch_of(attn_fwd_hopper, attn_fwd_hopper[grid](*args, **meta), grid, args, 7, meta), descs
 
 

@@ -35,22 +35,40 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-              q_row, q_col, k_row, k_col, v_row, v_col, first, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """Each consumer's query rows, then key and value tiles first .. first + n_tiles - 1."""
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, START,
+              END, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h, H, N,
+              window, t0, t_end, t_step, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
+              GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              Q_BUFFERS: gl.constexpr):
+    """For each work item of the program: each consumer's query rows, then the key and value tiles they stream.
+    The ring of slots runs on across items, so the next item's loads start while the consumers finish the last."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    mbarrier.expect(q_ready, NUM_CONSUMERS * q_desc.block_type.nbytes)
-    for c in gl.static_range(NUM_CONSUMERS):
-        _tma_load(q_desc, [q_row + c * BLOCK_M, q_col], q_ready, q_smem.index(c))
-    for j in range(n_tiles):
-        slot = j % STAGES
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    ring = t0 * 0  # tiles streamed by the items before
+    item = t0 * 0
+    for t in range(t0, t_end, t_step):
+        b, h, m0 = _work_item(t, H, N, ROWS, CAUSAL)
+        _, _, first, n_tiles = _key_stream(b, m0, N, window, START, END, ROWS, CAUSAL, WINDOW, DOCS, BLOCK_N)
+        kv_h = h // GROUP
+        buf = item % Q_BUFFERS
         # A fresh barrier counts as having completed the phase before its first: the first pass does not wait.
-        mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [k_row + (first + j) * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [v_row + (first + j) * BLOCK_N, v_col], v_ready.index(slot), v_smem.index(slot))
+        mbarrier.wait(q_empty.index(buf), ((item // Q_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(buf), NUM_CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            _tma_load(q_desc, [b * q_rows_b + h * q_rows_h + m0 + c * BLOCK_M, h * q_cols_h], q_ready.index(buf),
+                      q_smem.index(buf * NUM_CONSUMERS + c))
+        k_row = b * k_rows_b + kv_h * k_rows_h + first * BLOCK_N
+        v_row = b * v_rows_b + kv_h * v_rows_h + first * BLOCK_N
+        for j in range(n_tiles):
+            i = ring + j
+            slot = i % STAGES
+            mbarrier.wait(kv_empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [k_row + j * BLOCK_N, kv_h * k_cols_h], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [v_row + j * BLOCK_N, kv_h * v_cols_h], v_ready.index(slot), v_smem.index(slot))
+        ring += n_tiles
+        item += 1
 
 
 @gluon.jit
@@ -121,9 +139,14 @@ def _tile_range(first, last, N, window, START, END, CAUSAL: gl.constexpr, WINDOW
 
 
 @gluon.jit
-def _keep(q_idx, k_idx, q_start, k_start, window, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr):
-    """Whether query q_idx sees key k_idx (broadcast shapes); q_start, k_start: their documents' first positions."""
+def _keep(q_idx, k_idx, other, doc_lo, doc_hi, window, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+          DOCS: gl.constexpr):
+    """Whether query q_idx sees key k_idx (broadcast shapes). Documents are runs of positions, so two positions
+    share one when `other` (the streamed side's position) lies in [doc_lo, doc_hi), the bounds of the resident row's
+    document: two comparisons, no load per tile."""
     diff = q_idx - k_idx
+    if DOCS:
+        same_doc = (other >= doc_lo) & (other < doc_hi)
     if WINDOW:
         if CAUSAL:
             keep = (diff >= 0) & (diff < window)
@@ -132,59 +155,61 @@ def _keep(q_idx, k_idx, q_start, k_start, window, CAUSAL: gl.constexpr, WINDOW: 
     elif CAUSAL:
         keep = diff >= 0
     else:
-        keep = q_start == k_start  # documents alone
+        keep = same_doc  # documents alone
     if DOCS and (WINDOW or CAUSAL):
-        keep = keep & (q_start == k_start)
+        keep = keep & same_doc
     return keep
 
 
 @gluon.jit
-def _doc_starts(START, idx, DOCS: gl.constexpr):
-    """The first position of each idx's document (idx itself without documents, where it is never read)."""
+def _doc_bounds(START, END, idx, DOCS: gl.constexpr):
+    """[start, end) of each idx's document (idx, idx without documents, where they are never read)."""
     if DOCS:
-        return gl.load(START + idx)
-    return idx
+        return gl.load(START + idx), gl.load(END + idx)
+    return idx, idx
 
 
 @gluon.jit
-def _row_mask(s, rows, row_start, k0, START, window, other: gl.constexpr, CAUSAL: gl.constexpr,
+def _row_mask(s, rows, row_start, row_end, k0, window, other: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """s (query rows x keys k0 ..) with the scores the rows do not see set to `other`."""
+    """s (query rows x keys k0 ..) with the scores the rows do not see set to `other`; [row_start, row_end): each
+    row's document."""
     cols = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keep = _keep(rows[:, None], cols[None, :], row_start[:, None], _doc_starts(START, cols, DOCS)[None, :], window,
-                 CAUSAL, WINDOW, DOCS)
+    keep = _keep(rows[:, None], cols[None, :], cols[None, :], row_start[:, None], row_end[:, None], window, CAUSAL,
+                 WINDOW, DOCS)
     return gl.where(keep, s, other)
 
 
 @gluon.jit
-def _key_mask(pt, keys, key_start, q0, START, window, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+def _key_mask(pt, keys, key_start, key_end, q0, window, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               DOCS: gl.constexpr, BLOCK_N: gl.constexpr, st_layout: gl.constexpr):
-    """pt (key rows x queries q0 ..) with the entries of keys the queries do not see set to 0."""
+    """pt (key rows x queries q0 ..) with the entries of keys the queries do not see set to 0; [key_start,
+    key_end): each key's document."""
     cols = q0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_layout))
-    keep = _keep(cols[None, :], keys[:, None], _doc_starts(START, cols, DOCS)[None, :], key_start[:, None], window,
-                 CAUSAL, WINDOW, DOCS)
+    keep = _keep(cols[None, :], keys[:, None], cols[None, :], key_start[:, None], key_end[:, None], window, CAUSAL,
+                 WINDOW, DOCS)
     return gl.where(keep, pt, 0.0)
 
 
 @gluon.jit
-def _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows, row_start, first, START,
-              window, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-              o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Streamed tile j's (key tile first + j) scores and softmax, overlapped with tile j-1's P V; returns the state
-    after both."""
-    slot = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+def _key_tile(j, ring, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows, row_start, row_end,
+              first, window, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Streamed tile j's (key tile first + j, in ring slot ring + j) scores and softmax, overlapped with tile j-1's
+    P V; returns the state after both."""
+    slot = (ring + j) % STAGES
+    prev = (ring + j - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), ((ring + j) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // STAGES) & 1)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
     # wgmma groups retire in order: with one left in flight, the score matmul is done and P V may still run.
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     if MASK:
-        s = _row_mask(s, rows, row_start, (first + j) * BLOCK_N, START, window, float("-inf"), CAUSAL, WINDOW, DOCS,
-                      BLOCK_N, s_layout)
+        s = _row_mask(s, rows, row_start, row_end, (first + j) * BLOCK_N, window, float("-inf"), CAUSAL, WINDOW,
+                      DOCS, BLOCK_N, s_layout)
     p32, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, MASK and (WINDOW or DOCS))
     # p is in the deps so that its registers stay reserved until the matmul reading them has retired.
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
@@ -196,10 +221,11 @@ def _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i
 
 @gluon.jit
 def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_col, first_row, lse_row,
-            lo, full_lo, full_hi, hi, first, START, window, qk_scale, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-            DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Attention of one consumer's BLOCK_M query rows over streamed key tiles [lo, hi) (key tiles first + lo ..),
-    masked outside [full_lo, full_hi), written out."""
+            lo, full_lo, full_hi, hi, first, ring, START, END, window, qk_scale, CAUSAL: gl.constexpr,
+            WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr):
+    """Attention of one consumer's BLOCK_M query rows over streamed key tiles [lo, hi) (key tiles first + lo ..,
+    ring slots ring + lo ..), masked outside [full_lo, full_hi), written out."""
     dtype: gl.constexpr = o_desc.dtype
     D: gl.constexpr = o_desc.block_type.shape[1]
     VARIANT: gl.constexpr = WINDOW or DOCS
@@ -211,39 +237,40 @@ def _attend(o_desc, L, q, k_smem, v_smem, k_ready, v_ready, kv_empty, q_row, q_c
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     rows = first_row + gl.arange(0, BLOCK_M, layout=row_s)  # query positions in the sequence
-    row_start = _doc_starts(START, rows, DOCS)
+    row_start, row_end = _doc_bounds(START, END, rows, DOCS)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
 
     # Tile lo: scores and softmax only; its P V is issued beside the next tile's scores (or after the loops).
-    mbarrier.wait(k_ready.index(lo % STAGES), (lo // STAGES) & 1)
+    mbarrier.wait(k_ready.index((ring + lo) % STAGES), ((ring + lo) // STAGES) & 1)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q, k_smem.index(lo % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q, k_smem.index((ring + lo) % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     if CAUSAL or VARIANT:
         if (lo < full_lo) | (lo >= full_hi):
-            s = _row_mask(s, rows, row_start, (first + lo) * BLOCK_N, START, window, float("-inf"), CAUSAL, WINDOW,
-                          DOCS, BLOCK_N, s_layout)
+            s = _row_mask(s, rows, row_start, row_end, (first + lo) * BLOCK_N, window, float("-inf"), CAUSAL,
+                          WINDOW, DOCS, BLOCK_N, s_layout)
     p32, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, qk_scale, VARIANT)
     p = gl.convert_layout(p32.to(dtype), p_layout)
 
     if VARIANT:  # tiles before the whole ones (the window's far edge, the document's start)
         for j in range(lo + 1, full_lo):
-            acc, p, m_i, l_i = _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
-                                         row_start, first, START, window, qk_scale, True, CAUSAL, WINDOW, DOCS,
+            acc, p, m_i, l_i = _key_tile(j, ring, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
+                                         row_start, row_end, first, window, qk_scale, True, CAUSAL, WINDOW, DOCS,
                                          BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
     for j in range(gl.maximum(full_lo, lo + 1), full_hi):
-        acc, p, m_i, l_i = _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
-                                     row_start, first, START, window, qk_scale, False, CAUSAL, WINDOW, DOCS,
+        acc, p, m_i, l_i = _key_tile(j, ring, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
+                                     row_start, row_end, first, window, qk_scale, False, CAUSAL, WINDOW, DOCS,
                                      BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
     if CAUSAL or VARIANT:  # the diagonal band, and tiles past the whole ones
         for j in range(gl.maximum(full_hi, lo + 1), hi):
-            acc, p, m_i, l_i = _key_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
-                                         row_start, first, START, window, qk_scale, True, CAUSAL, WINDOW, DOCS,
+            acc, p, m_i, l_i = _key_tile(j, ring, q, k_smem, v_smem, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, rows,
+                                         row_start, row_end, first, window, qk_scale, True, CAUSAL, WINDOW, DOCS,
                                          BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
 
-    last = hi - 1
+    last = ring + hi - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok, p])
@@ -273,26 +300,48 @@ def _release(ready, empty, lo, hi, STAGES: gl.constexpr, also_ready=None):
 
 
 @gluon.jit
-def _consumer(o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row, q_col, m0,
-              lse_base, N, first, n_tiles, window, qk_scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    first_row = m0 + CONSUMER * BLOCK_M
-    mbarrier.wait(q_ready, 0)
-    # Streamed tiles before and after this consumer's own (causal, windows, documents) are still loaded for the
-    # others: released once loaded, so an arrival never counts toward a slot's previous use.
-    if first_row < N:  # the last program's last consumers may have no rows (N % BLOCK_M == 0)
-        lo, full_lo, full_hi, hi = _tile_range(first_row, first_row + BLOCK_M - 1, N, window, START, END, CAUSAL,
-                                               WINDOW, DOCS, True, BLOCK_N)
-        _release(k_ready, kv_empty, 0, lo - first, STAGES, v_ready)
-        _attend(o_desc, L, q_smem.index(CONSUMER), k_smem, v_smem, k_ready, v_ready, kv_empty,
-                q_row + CONSUMER * BLOCK_M, q_col, first_row, lse_base + CONSUMER * BLOCK_M, lo - first,
-                full_lo - first, full_hi - first, hi - first, first, START, window, qk_scale, CAUSAL, WINDOW, DOCS,
-                BLOCK_M, BLOCK_N, STAGES)
-        n_done = hi - first
-    else:
-        n_done = first * 0
-    _release(k_ready, kv_empty, n_done, n_tiles, STAGES, v_ready)
+def _consumer(o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, q_rows_b,
+              q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, CONSUMER: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    ring = t0 * 0
+    item = t0 * 0
+    for t in range(t0, t_end, t_step):
+        b, h, m0 = _work_item(t, H, N, ROWS, CAUSAL)
+        starts, ends, first, n_tiles = _key_stream(b, m0, N, window, START, END, ROWS, CAUSAL, WINDOW, DOCS, BLOCK_N)
+        first_row = m0 + CONSUMER * BLOCK_M
+        buf = item % Q_BUFFERS
+        mbarrier.wait(q_ready.index(buf), (item // Q_BUFFERS) & 1)
+        # Streamed tiles before and after this consumer's own (causal, windows, documents) are still loaded for the
+        # others: released once loaded, so an arrival never counts toward a slot's previous use.
+        if first_row < N:  # the last item's last consumers may have no rows (N % BLOCK_M == 0)
+            lo, full_lo, full_hi, hi = _tile_range(first_row, first_row + BLOCK_M - 1, N, window, starts, ends,
+                                                   CAUSAL, WINDOW, DOCS, True, BLOCK_N)
+            _release(k_ready, kv_empty, ring, ring + lo - first, STAGES, v_ready)
+            _attend(o_desc, L, q_smem.index(buf * NUM_CONSUMERS + CONSUMER), k_smem, v_smem, k_ready, v_ready,
+                    kv_empty, b * q_rows_b + h * q_rows_h + first_row, h * q_cols_h, first_row,
+                    (b * H + h) * N + first_row, lo - first, full_lo - first, full_hi - first, hi - first, first,
+                    ring, starts, ends, window, qk_scale, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES)
+            n_done = hi - first
+        else:
+            n_done = first * 0
+        _release(k_ready, kv_empty, ring + n_done, ring + n_tiles, STAGES, v_ready)
+        mbarrier.arrive(q_empty.index(buf), count=1)  # O has left this consumer's rows of the buffer (_attend)
+        ring += n_tiles
+        item += 1
+
+
+@gluon.jit
+def _work_item(t, H, N, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, first query row) of forward work item t: item t covers query rows block t % blocks of (batch, head)
+    t // blocks, the blocks of a head in the order they launch (see _query_program)."""
+    blocks = gl.cdiv(N, ROWS)
+    m = t % blocks
+    if CAUSAL:
+        m = blocks - 1 - m  # the longest rows first, for a better tail
+    bh = t // blocks
+    return bh // H, bh % H, m * ROWS
 
 
 @gluon.jit
@@ -328,11 +377,17 @@ def _key_stream(b, m0, N, window, START, END, ROWS: gl.constexpr, CAUSAL: gl.con
 def attn_fwd_hopper(
     q_desc, k_desc, v_desc, o_desc, L, START, END,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
-    H, N, window, qk_scale,
+    H, N, BH, window, qk_scale,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PERSISTENT: gl.constexpr = False,
 ):
-    """O and L for NUM_CONSUMERS * BLOCK_M query rows of one (batch, head); N % BLOCK_M == N % BLOCK_N == 0.
+    """O and L of BH (batch, head) pairs, in work items of NUM_CONSUMERS * BLOCK_M query rows of one pair;
+    N % BLOCK_M == N % BLOCK_N == 0.
+
+    A program runs one item (grid: items of a pair, pairs), or with PERSISTENT items pid, pid + programs, ...
+    (grid: programs): its producer then loads the next item's query rows and first key tiles while the consumers
+    finish the last, which pays where an item streams few key tiles (windows, documents).
 
     Q, K, V and O are 2-D descriptors over their storage: row b * rows_b + h * rows_h + position, column
     h * cols_h. That covers (batch, heads, seq, d) and (batch, seq, heads, d) memory alike. GROUP > 1 (GQA): query
@@ -341,59 +396,64 @@ def attn_fwd_hopper(
     """
     dtype: gl.constexpr = q_desc.dtype
     D: gl.constexpr = q_desc.block_type.shape[1]
-    ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
+    # Two buffers of query rows when items follow each other: the next item's rows load while O of the last leaves.
+    Q_BUFFERS: gl.constexpr = 1 + PERSISTENT
+    if PERSISTENT:
+        t0 = gl.program_id(0)
+        t_end = gl.cdiv(N, BLOCK_M * NUM_CONSUMERS) * BH
+        t_step = gl.num_programs(0)
+    else:
+        t0 = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        t_end = t0 + 1
+        t_step = 1
 
-    b, h, bh, m0 = _query_program(H, N, ROWS, CAUSAL)
-    START, END, first, n_tiles = _key_stream(b, m0, N, window, START, END, ROWS, CAUSAL, WINDOW, DOCS, BLOCK_N)
-
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()  # the initialised barriers, visible to the TMA unit
 
-    q_row = b * q_rows_b + h * q_rows_h + m0
-    q_col = h * q_cols_h
-    lse_base = bh * N + m0
-    kv_h = h // GROUP
-    k_row = b * k_rows_b + kv_h * k_rows_h
-    v_row = b * v_rows_b + kv_h * v_rows_h
     # Worker partitions take no distributed tensors, so each consumer's arguments are spelled out.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
-                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M,
-                         BLOCK_N, STAGES)),
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
-                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M,
-                         BLOCK_N, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, first, n_tiles, BLOCK_N,
-                         STAGES, NUM_CONSUMERS)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 0, CAUSAL,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 1, CAUSAL,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, START, END, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b,
+                         v_rows_h, v_cols_h, H, N, window, t0, t_end, t_step, CAUSAL, WINDOW, DOCS, GROUP, BLOCK_N,
+                         STAGES, NUM_CONSUMERS, Q_BUFFERS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
-                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M,
-                         BLOCK_N, STAGES)),
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
-                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M,
-                         BLOCK_N, STAGES)),
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, q_row,
-                         q_col, m0, lse_base, N, first, n_tiles, window, qk_scale, 2, CAUSAL, WINDOW, DOCS, BLOCK_M,
-                         BLOCK_N, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         q_row, q_col, k_row, kv_h * k_cols_h, v_row, kv_h * v_cols_h, first, n_tiles, BLOCK_N,
-                         STAGES, NUM_CONSUMERS)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 0, CAUSAL,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 1, CAUSAL,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 2, CAUSAL,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         kv_empty, START, END, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b,
+                         v_rows_h, v_cols_h, H, N, window, t0, t_end, t_step, CAUSAL, WINDOW, DOCS, GROUP, BLOCK_N,
+                         STAGES, NUM_CONSUMERS, Q_BUFFERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -468,7 +528,7 @@ def _ring_barriers(STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first, START, window,
+def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, row_end, first, window,
                  qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                  ds_layout: gl.constexpr):
@@ -485,8 +545,8 @@ def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, ro
     s = warpgroup_mma_wait(num_outstanding=2, deps=[s_tok])
     p = gl.exp2(s * qk_scale - lse2[:, None])
     if MASK:
-        p = _row_mask(p, rows, row_start, (first + i) * BLOCK_N, START, window, 0.0, CAUSAL, WINDOW, DOCS, BLOCK_N,
-                      s_layout)
+        p = _row_mask(p, rows, row_start, row_end, (first + i) * BLOCK_N, window, 0.0, CAUSAL, WINDOW, DOCS,
+                      BLOCK_N, s_layout)
     dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp_tok])
     ds32 = p * (dp - delta[:, None])
     dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok, ds])
@@ -496,7 +556,7 @@ def _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, ro
 
 @gluon.jit
 def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_col, first_row, lse_row,
-             lo, full_lo, full_hi, hi, first, START, window, qk_scale, scale, CAUSAL: gl.constexpr,
+             lo, full_lo, full_hi, hi, first, START, END, window, qk_scale, scale, CAUSAL: gl.constexpr,
              WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr):
     """dQ of one consumer's BLOCK_M query rows over streamed key tiles [lo, hi), masked outside [full_lo, full_hi),
@@ -511,7 +571,7 @@ def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_co
     VARIANT: gl.constexpr = WINDOW or DOCS
 
     rows = first_row + gl.arange(0, BLOCK_M, layout=row_s)
-    row_start = _doc_starts(START, rows, DOCS)
+    row_start, row_end = _doc_bounds(START, END, rows, DOCS)
     lse2 = gl.load(L + lse_row + gl.arange(0, BLOCK_M, layout=row_s)) * LOG2E
     delta = gl.load(DELTA + lse_row + gl.arange(0, BLOCK_M, layout=row_s))
     dq = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
@@ -527,24 +587,24 @@ def _dq_rows(dq_desc, L, DELTA, q, do, k_smem, v_smem, ready, empty, q_row, q_co
     p = gl.exp2(s * qk_scale - lse2[:, None])
     if CAUSAL or VARIANT:
         if (lo < full_lo) | (lo >= full_hi):
-            p = _row_mask(p, rows, row_start, (first + lo) * BLOCK_N, START, window, 0.0, CAUSAL, WINDOW, DOCS,
-                          BLOCK_N, s_layout)
+            p = _row_mask(p, rows, row_start, row_end, (first + lo) * BLOCK_N, window, 0.0, CAUSAL, WINDOW,
+                          DOCS, BLOCK_N, s_layout)
     dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
     ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
 
     if VARIANT:  # tiles before the whole ones
         for i in range(lo + 1, full_lo):
-            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first,
-                                  START, window, qk_scale, True, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
+            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, row_end,
+                                  first, window, qk_scale, True, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
                                   s_layout, ds_layout)
     for i in range(gl.maximum(full_lo, lo + 1), full_hi):
-        dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first,
-                              START, window, qk_scale, False, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
+        dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, row_end,
+                              first, window, qk_scale, False, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
                               s_layout, ds_layout)
     if CAUSAL or VARIANT:  # the diagonal band, and tiles past the whole ones
         for i in range(gl.maximum(full_hi, lo + 1), hi):
-            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, first,
-                                  START, window, qk_scale, True, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
+            dq, ds = _dq_key_tile(i, q, do, k_smem, v_smem, ready, empty, dq, ds, lse2, delta, rows, row_start, row_end,
+                                  first, window, qk_scale, True, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
                                   s_layout, ds_layout)
 
     last = hi - 1
@@ -572,8 +632,8 @@ def _dq_consumer(dq_desc, L, DELTA, START, END, q_smem, do_smem, k_smem, v_smem,
         _release(ready, empty, 0, lo - first, STAGES)
         _dq_rows(dq_desc, L, DELTA, q_smem.index(CONSUMER), do_smem.index(CONSUMER), k_smem, v_smem, ready, empty,
                  q_row + CONSUMER * BLOCK_M, q_col, first_row, lse_base + CONSUMER * BLOCK_M, lo - first,
-                 full_lo - first, full_hi - first, hi - first, first, START, window, qk_scale, scale, CAUSAL, WINDOW,
-                 DOCS, BLOCK_M, BLOCK_N, STAGES)
+                 full_lo - first, full_hi - first, hi - first, first, START, END, window, qk_scale, scale, CAUSAL,
+                 WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES)
         n_done = hi - first
     else:
         n_done = first * 0
@@ -646,7 +706,7 @@ def attn_bwd_dq_hopper(
 
 @gluon.jit
 def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, ds, keys, key_start,
-                     first, full_lo, full_hi, per_head, START, window, qk_scale, CAUSAL: gl.constexpr,
+                     key_end, first, full_lo, full_hi, per_head, window, qk_scale, CAUSAL: gl.constexpr,
                      WINDOW: gl.constexpr, DOCS: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
                      GROUP: gl.constexpr):
@@ -674,8 +734,8 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
             j = i % per_head
         # One loop for the masked tiles and the rest: one copy of the tile's code, a branch per tile.
         if (j < full_lo) | (j >= full_hi):
-            pt = _key_mask(pt, keys, key_start, (first + j) * BLOCK_N, START, window, CAUSAL, WINDOW, DOCS, BLOCK_N,
-                           st_layout)
+            pt = _key_mask(pt, keys, key_start, key_end, (first + j) * BLOCK_N, window, CAUSAL, WINDOW, DOCS,
+                           BLOCK_N, st_layout)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
@@ -708,7 +768,7 @@ def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 @gluon.jit
 def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
-               v_col, first_key, first, full_lo, full_hi, n_tiles, START, window, qk_scale, scale,
+               v_col, first_key, first, full_lo, full_hi, n_tiles, START, END, window, qk_scale, scale,
                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
     """dK and dV of one consumer's BLOCK_M key rows over every streamed query tile (of GROUP query heads in turn,
@@ -724,7 +784,7 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
 
     keys = first_key + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-    key_start = _doc_starts(START, keys, DOCS)
+    key_start, key_end = _doc_bounds(START, END, keys, DOCS)
     last = n_tiles - 1
     per_head = n_tiles // GROUP
     dk = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
@@ -741,7 +801,8 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
     pt = gl.exp2(st * qk_scale - lse2[None, :])
     if CAUSAL or WINDOW or DOCS:
-        pt = _key_mask(pt, keys, key_start, first * BLOCK_N, START, window, CAUSAL, WINDOW, DOCS, BLOCK_N, st_layout)
+        pt = _key_mask(pt, keys, key_start, key_end, first * BLOCK_N, window, CAUSAL, WINDOW, DOCS, BLOCK_N,
+                       st_layout)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(0), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
@@ -753,11 +814,11 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
         st = _next_scores(k, q_smem, ready, 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
         for i in range(1, last):
             dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                              dv, ds, keys, key_start, first, full_lo, full_hi, per_head, START,
+                                              dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head,
                                               window, qk_scale, CAUSAL, WINDOW, DOCS, True, BLOCK_M, BLOCK_N, STAGES,
                                               st_layout, op_layout, GROUP)
         dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                          dv, ds, keys, key_start, first, full_lo, full_hi, per_head, START, window,
+                                          dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head, window,
                                           qk_scale, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES, st_layout,
                                           op_layout, GROUP)  # the last: no S^T to issue
 
@@ -786,7 +847,7 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
                                              WINDOW, DOCS, False, BLOCK_N)
         _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                    delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
-                   first_key, first, full_lo - first, full_hi - first, n_tiles, START, window, qk_scale, scale,
+                   first_key, first, full_lo - first, full_hi - first, n_tiles, START, END, window, qk_scale, scale,
                    CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
     else:
         _release(ready, empty, 0, n_tiles, STAGES)

@@ -2,10 +2,10 @@
 
 Spills ruled out several of the Hopper kernels' tile configs (hopper.backward_tiles_for), and ptxas reports them
 without a device: `python -m attention.flash.hopper_resources` compiles the configs the dispatch picks at the
-benchmark shapes, or those given as `kind,d,consumers,block_n,stages[,causal[,masks]]`, masks being w (a window),
-d (documents) or wd:
+benchmark shapes, or those given as `kind,d,consumers,block_n,stages[,causal[,masks[,persistent]]]`, masks being w
+(a window), d (documents) or wd, persistent 1 for the forward's persistent grid (a `p` after the stages in the table):
 
-    python -m attention.flash.hopper_resources dkdv,128,2,64,4 fwd,64,2,128,3,0 dq,64,3,64,4,1,wd
+    python -m attention.flash.hopper_resources dkdv,128,2,64,4 fwd,64,2,128,3,0 dq,64,3,64,4,1,wd fwd,64,2,64,4,1,d,1
 
 The report comes from the installed Triton and its ptxas; triton 3.6 and 3.9 give different spills for the same
 source, so read it for the Triton that will run the kernels. A config without spills is not always faster (dK/dV at
@@ -77,6 +77,8 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
     fn = getattr(hopper_kernels, KERNELS[kind])
     meta = _meta(tiles, causal, window="w" in masks, docs="d" in masks)
+    if kind == "fwd":
+        meta["PERSISTENT"] = tiles.persistent
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}
@@ -129,7 +131,7 @@ def _resources_without_interpreter(kind: str, d: int, tiles: HopperTiles, causal
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    spec = f"{kind},{d},{tiles.consumers},{tiles.block_n},{tiles.stages},{int(causal)},{masks}"
+    spec = f"{kind},{d},{tiles.consumers},{tiles.block_n},{tiles.stages},{int(causal)},{masks},{int(tiles.persistent)}"
     done = subprocess.run([sys.executable, "-m", "attention.flash.hopper_resources", "--json", spec], env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
@@ -152,12 +154,14 @@ def resources(kind: str, d: int, tiles: HopperTiles, causal: bool = True, masks:
 
 
 def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
-    """(kind, d, tiles, causal) the dispatch picks on an H100 at the benchmark shapes and the `large` model's."""
+    """(kind, d, tiles, causal) the dispatch picks on an H100 at the benchmark shapes and the `large` model's, and the
+    forward's for documents."""
     shapes = [(1, 16, 16384, 64, True), (2, 16, 8192, 128, True), (2, 16, 8192, 64, False), (4, 20, 1024, 64, True),
               (8, 16, 1024, 128, True)]
     configs = []
     for b, h, n, d, causal in shapes:
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS), causal))
+        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, docs=True), causal))
         for kind, t in backward_tiles_for(d, n, b * h, H100_SMS).items():
             configs.append((kind, d, t, causal))
     return list(dict.fromkeys(configs))
@@ -169,20 +173,26 @@ MASKS = ("", "w", "d", "wd")
 
 def _parse(spec: str) -> Config:
     parts = spec.split(",")
-    if len(parts) not in (5, 6, 7):
-        raise argparse.ArgumentTypeError(f"expected kind,d,consumers,block_n,stages[,causal[,masks]], got {spec!r}")
+    if len(parts) not in (5, 6, 7, 8):
+        raise argparse.ArgumentTypeError(
+            f"expected kind,d,consumers,block_n,stages[,causal[,masks[,persistent]]], got {spec!r}")
     kind, d, consumers, block_n, stages = parts[0], *map(int, parts[1:5])
     if kind not in KERNELS:
         raise argparse.ArgumentTypeError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
-    masks = parts[6] if len(parts) == 7 else ""
+    masks = parts[6] if len(parts) >= 7 else ""
     if masks not in MASKS:
         raise argparse.ArgumentTypeError(f"masks must be one of w, d, wd or empty, got {masks!r}")
-    return kind, d, HopperTiles(consumers, block_n, stages), parts[5] != "0" if len(parts) >= 6 else True, masks
+    persistent = len(parts) == 8 and parts[7] != "0"
+    if persistent and kind != "fwd":
+        raise argparse.ArgumentTypeError(f"only the forward runs persistent, got {spec!r}")
+    tiles = HopperTiles(consumers, block_n, stages, persistent=persistent)
+    return kind, d, tiles, parts[5] != "0" if len(parts) >= 6 else True, masks
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="*", type=_parse, help="kind,d,consumers,block_n,stages[,causal[,masks]]")
+    parser.add_argument("configs", nargs="*", type=_parse,
+                        help="kind,d,consumers,block_n,stages[,causal[,masks[,persistent]]]")
     parser.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
     args = parser.parse_args(argv)
     configs = args.configs or [(*config, "") for config in dispatch_configs()]
@@ -190,15 +200,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         for kind, d, t, causal, masks in configs:
             r = resources(kind, d, t, causal, masks)
             print(json.dumps({"kind": kind, "d": d, "consumers": t.consumers, "block_n": t.block_n,
-                              "stages": t.stages, "causal": causal, "masks": masks, "shared_bytes": r.shared_bytes,
-                              "warps": r.warps, "registers": r.registers, "spill_bytes": r.spill_bytes}), flush=True)
+                              "stages": t.stages, "persistent": t.persistent, "causal": causal, "masks": masks,
+                              "shared_bytes": r.shared_bytes, "warps": r.warps, "registers": r.registers, "spill_bytes": r.spill_bytes}), flush=True)
         return
     # spill B: bytes of spill stores plus spill loads; regs: per thread at launch
     print(f"{'kernel':6s} {'d':>4s} {'tiles':16s} {'causal':6s} {'masks':5s} {'shared KiB':>10s} {'regs':>5s} "
           f"{'spill B':>7s}")
     for kind, d, t, causal, masks in configs:
         r = resources(kind, d, t, causal, masks)
-        tiles = f"c{t.consumers} m{t.block_m} n{t.block_n} s{t.stages}"
+        tiles = f"c{t.consumers} m{t.block_m} n{t.block_n} s{t.stages}" + ("p" if t.persistent else "")
         regs, spills = ("?" if x is None else x for x in (r.registers, r.spill_bytes))
         print(f"{kind:6s} {d:4d} {tiles:16s} {str(causal):6s} {masks or '-':5s} {r.shared_bytes / 1024:10.1f} "
               f"{regs:>5} {spills:>7}", flush=True)

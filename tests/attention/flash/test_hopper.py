@@ -150,6 +150,14 @@ def test_min_scores_depend_on_pass_head_dim_and_replay(monkeypatch):
 def test_three_consumers_only_when_every_sm_gets_four_programs():
     assert hopper.tiles_for(64, 16384, 16, 132).consumers == 3  # 16 * 86 programs
     assert hopper.tiles_for(64, 4096, 16, 132).consumers == 2  # 16 * 22 = 352 < 528
+    assert not hopper.tiles_for(64, 16384, 16, 132).persistent
+
+
+def test_short_key_ranges_run_the_persistent_forward():
+    for d in hopper.HEAD_DIMS:
+        assert hopper.tiles_for(d, 16384, 16, 132, docs=True).persistent
+        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW - 1).persistent
+        assert not hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW).persistent
     for d in hopper.HEAD_DIMS:
         for t in (hopper.tiles_for(d, 16384, 16, 132), hopper.tiles_for(d, 128, 1, 132)):
             assert hopper.SEQ_MULTIPLE % t.block_n == 0 and hopper.SEQ_MULTIPLE % t.block_m == 0
@@ -543,12 +551,34 @@ def test_masked_forward_and_backward_match_float64(case, h, h_kv, d, tiles):
 
 
 @requires_hopper
+@pytest.mark.parametrize("case", list(MASK_CASES))
+@pytest.mark.parametrize("h, h_kv", [(8, 8), (8, 2)], ids=str)
+def test_the_persistent_forward_is_the_forward_of_a_program_per_item(case, h, h_kv):
+    """With several work items to a program (here 2 * 8 * 16 items on at most 132 programs), each of its own number
+    of key tiles, the persistent forward gives bitwise the O and L of a program per item."""
+    causal, window, docs = MASK_CASES[case]
+    b, n, d, dtype = 2, 2048, 64, torch.bfloat16
+    doc_ids = None if docs is None else random_doc_ids(b, n, *docs, seed=n + h_kv)
+    q = make_qkv(b, h, n, d, dtype, "bshd", seed=h_kv)[0]
+    k, v = make_qkv(b, h_kv, n, d, dtype, "bshd", seed=7)[:2]
+    masks = hopper.Masks.of(q, window, doc_ids)
+    outputs = []
+    for persistent in (False, True):
+        o = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, n), float("nan"), device=DEVICE)
+        hopper.forward(q, k, v, o, lse, causal, d ** -0.5, HopperTiles(2, 64, 4, persistent=persistent), masks)
+        outputs.append((o, lse))
+    (o, lse), (o_p, lse_p) = outputs
+    assert not o.isnan().any()
+    assert torch.equal(o, o_p) and torch.equal(lse, lse_p)
+
+
+@requires_hopper
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("window, docs, passes", [(96, True, ["backward"]), (4096, False, ["backward", "forward"])],
-                         ids=["window96-docs", "window4096"])
-def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, compiled, window, docs, passes):
+@pytest.mark.parametrize("window, docs", [(96, True), (4096, False)], ids=["window96-docs", "window4096"])
+def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, compiled, window, docs):
     """The registry's flash with a window, and packed documents (doc_ids broadcast over two leading dims), takes the
-    Hopper backward, eager and compiled, and the Hopper forward for a long window; it matches float64."""
+    Hopper kernels, eager and compiled; it matches float64."""
     monkeypatch.setattr(hopper, "MIN_SCORES", 0)
     calls = record_hopper_calls(monkeypatch)
     torch._dynamo.reset()
@@ -560,7 +590,7 @@ def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, com
     o = flash(q, k, v, True, 0.125, window, None, doc_ids)
     do = randn(*o.shape, seed=9, dtype=torch.bfloat16)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    assert sorted(set(calls)) == passes, calls
+    assert sorted(set(calls)) == ["backward", "forward"], calls
     q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     s = q64 @ k64.repeat_interleave(2, 2).transpose(-2, -1) * 0.125
     s = s.masked_fill(~visible64(n, True, window, None if doc_ids is None else doc_ids[None])[0], float("-inf"))
@@ -603,8 +633,8 @@ def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
 
 @requires_hopper
 def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatch):
-    """With documents, the second call of a signature runs its plans (the Triton forward's, the Hopper backward's)
-    with its own documents' bounds, and gives bitwise what the general path gives for those documents."""
+    """With documents, the second call of a signature runs its plans (at this size the Triton forward's, the Hopper
+    backward's) with its own documents' bounds, and gives bitwise what the general path gives for those documents."""
     import attention.flash as flash_pkg
     from attention import get_attention, graph_replay
 

@@ -21,7 +21,8 @@ if hopper._gluon_problem() is not None:
 
 # One config per kernel and head dim, as the dispatch picks them on an H100 (the full list: dispatch_configs()).
 CONFIGS = [("fwd", 64, HopperTiles(3, 128, 3)), ("fwd", 128, HopperTiles(3, 64, 3)), ("dkdv", 64, HopperTiles(2, 64, 4)),
-           ("dkdv", 128, HopperTiles(2, 32, 4)), ("dq", 64, HopperTiles(3, 64, 4)), ("dq", 128, HopperTiles(2, 64, 4))]
+           ("dkdv", 128, HopperTiles(2, 32, 4)), ("dq", 64, HopperTiles(3, 64, 4)), ("dq", 128, HopperTiles(2, 64, 4)),
+           ("fwd", 64, HopperTiles(2, 64, 4, persistent=True)), ("fwd", 128, HopperTiles(2, 64, 4, persistent=True))]
 
 
 def test_configs_are_the_dispatchs():
@@ -30,11 +31,12 @@ def test_configs_are_the_dispatchs():
 
 
 @pytest.mark.parametrize("kind,d,tiles", CONFIGS, ids=[f"{k}-d{d}-c{t.consumers}n{t.block_n}s{t.stages}"
-                                                      for k, d, t in CONFIGS])
+                                                      + ("p" if t.persistent else "") for k, d, t in CONFIGS])
 def test_kernel_compiles_for_sm90_within_shared_memory(kind, d, tiles):
     r = resources(kind, d, tiles, causal=True)
-    # At least the kernel's own bf16 tiles: the resident ones (Q; K and V; Q and dO) and a ring of two streamed tensors.
-    resident = 1 if kind == "fwd" else 2
+    # At least the kernel's own bf16 tiles: the resident ones (Q, twice when persistent; K and V; Q and dO) and a ring
+    # of two streamed tensors.
+    resident = 2 if kind != "fwd" or tiles.persistent else 1
     tiles_bytes = (resident * tiles.rows + 2 * tiles.stages * tiles.block_n) * d * 2
     assert tiles_bytes <= r.shared_bytes <= H100_SHARED_BYTES, f"{r.shared_bytes} bytes of shared memory"
     assert r.warps >= 4 * tiles.consumers + 1  # a warpgroup per consumer, and the producer's warp
@@ -47,22 +49,23 @@ def test_kernel_compiles_for_sm90_within_shared_memory(kind, d, tiles):
 
 
 def test_report_prints_a_row_per_config(capsys):
-    main(["dq,64,2,64,4", "dkdv,128,2,32,4,0"])
+    main(["dq,64,2,64,4", "dkdv,128,2,32,4,0", "fwd,64,2,64,4,1,d,1"])
     rows = capsys.readouterr().out.strip().splitlines()
     assert rows[0].split()[:2] == ["kernel", "d"]
-    assert [r.split()[:2] for r in rows[1:]] == [["dq", "64"], ["dkdv", "128"]]
+    assert [r.split()[:2] for r in rows[1:]] == [["dq", "64"], ["dkdv", "128"], ["fwd", "64"]]
     assert rows[2].split()[6] == "False"
+    assert rows[3].split()[5:8] == ["s4p", "True", "d"]
 
 
 def test_bad_config_is_refused():
-    for spec in ("dq,64,2", "bwd,64,2,64,4", "dq,64,two,64,4"):
+    for spec in ("dq,64,2", "bwd,64,2,64,4", "dq,64,two,64,4", "dq,64,2,64,4,1,d,1"):
         with pytest.raises(SystemExit):
             main([spec])
     with pytest.raises(ValueError, match="kind must be one of"):
         resources("bwd", 64, HopperTiles(2, 64, 4))
 
 
-@pytest.mark.parametrize("kind,d,tiles", CONFIGS[::2] + CONFIGS[4:5], ids=lambda x: str(x))
+@pytest.mark.parametrize("kind,d,tiles", CONFIGS[::2] + CONFIGS[7:], ids=lambda x: str(x))
 def test_masked_kernels_compile_for_sm90(kind, d, tiles):
     """The window and document masks (constexpr WINDOW, DOCS) compile, within the same shared memory."""
     plain = resources(kind, d, tiles, causal=True)
