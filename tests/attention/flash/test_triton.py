@@ -394,6 +394,37 @@ def test_documents_run_through_the_plan_with_each_calls_bounds(monkeypatch, h, h
     assert len(flash_pkg._plans) == 1
 
 
+def test_the_documents_bounds_are_computed_once_per_doc_ids_tensor(monkeypatch):
+    """Calls that pass the same doc_ids tensor (a model's layers) compute its bounds once; a changed tensor (in place,
+    or another one) or another sequence length gets its own, and the results stay those of fresh bounds."""
+    import gc
+
+    computed = []
+    real = flash_pkg.bounds_of
+    monkeypatch.setattr(flash_pkg, "bounds_of", lambda q, ids: computed.append(ids.tolist()) or real(q, ids))
+    flash = get_attention("flash")
+    q, k, v = (randn(2, 2, 24, 16, seed=s) for s in range(3))
+    doc_ids = random_doc_ids(2, 24, 1, 8, seed=1)
+
+    def check(ids):
+        want = FlashAttentionTriton.apply(q, k, v, True, None, None, None, ids)
+        assert torch.equal(flash(q, k, v, causal=True, doc_ids=ids), want)
+
+    for _ in range(3):
+        check(doc_ids)
+    assert len(computed) == 1
+    doc_ids[:, :12] = doc_ids[:, 12:13]  # in place: one document over the first half
+    check(doc_ids)
+    check(doc_ids.clone())
+    assert computed[1:] == [doc_ids.tolist()] * 2
+    flash(q[..., :12, :], k[..., :12, :], v[..., :12, :], causal=True, doc_ids=doc_ids[:, :12])
+    check(doc_ids)
+    assert len(computed) == 5 and flash_pkg._last_bounds is not None
+    del doc_ids
+    gc.collect()
+    assert flash_pkg._last_bounds is None  # the bounds go with their doc_ids
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU only: long sequences, tensors beyond 2^31 elements, every tile shape of the autotune space.
 # ----------------------------------------------------------------------------------------------------------
