@@ -283,6 +283,7 @@ def _keep(cache: dict, key: tuple, value: object) -> None:
 # Every layer of a model's forward gets its batch's doc_ids tensor, and the bounds (two searchsorted calls and a
 # copy, about 0.15 ms of host time on the H100's host) are computed once for them all. The reference is weak, so the
 # entry dies with the tensor (its memory cannot be reused under a live entry); an in-place change bumps the version.
+# A CUDA-graph capture computes its own: its replays must recompute the bounds from what the ids hold then.
 _last_bounds: Optional[tuple] = None
 
 
@@ -291,6 +292,8 @@ def _bounds(q: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> Optional[tuple[
     global _last_bounds
     if doc_ids is None:
         return None
+    if doc_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return bounds_of(q, doc_ids)
     shape = (tuple(q.shape[:-3]), q.shape[-2])
     last = _last_bounds
     if last is not None and last[0]() is doc_ids and last[1] == doc_ids._version and last[2] == shape:

@@ -425,6 +425,29 @@ def test_the_documents_bounds_are_computed_once_per_doc_ids_tensor(monkeypatch):
     assert flash_pkg._last_bounds is None  # the bounds go with their doc_ids
 
 
+@requires_cuda
+def test_a_captured_call_recomputes_its_documents_bounds_on_replay():
+    """A CUDA graph captured after eager calls with the same doc_ids tensor computes the bounds inside the graph, so a
+    replay after new ids are copied into that tensor masks with the new documents."""
+    flash = get_attention("flash")
+    q, k, v = (randn(2, 2, 64, 16, seed=s, dtype=torch.float16) for s in range(3))
+    doc_ids = random_doc_ids(2, 64, 1, 20, seed=1)
+    flash(q, k, v, causal=True, doc_ids=doc_ids)  # warm: the bounds of these ids are kept
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash(q, k, v, causal=True, doc_ids=doc_ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = flash(q, k, v, causal=True, doc_ids=doc_ids)
+    new_ids = random_doc_ids(2, 64, 1, 20, seed=2)
+    doc_ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, FlashAttentionTriton.apply(q, k, v, True, None, None, None, new_ids))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU only: long sequences, tensors beyond 2^31 elements, every tile shape of the autotune space.
 # ----------------------------------------------------------------------------------------------------------
