@@ -37,10 +37,14 @@ REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
 # A Hopper program holds an SM alone and pays its start and end (Q's load, the pipeline's fill, O's store) once. With
 # few key tiles per row (documents, windows under this many keys) the forward runs persistent: a program per SM takes
 # work items one after another, the next one's loads overlapping the last one's end. Kernel times (CUDA-graph replay)
-# on the H100 at B1 H16 N16384 d 64 causal, persistent (two consumers, 64-key tiles) against a program per item and
-# against the Triton forward: documents of mean length 1024 0.214 against 0.451 and 0.241 ms; window 1024 0.228
-# against 0.270 and 0.229; window 4096 0.763 against 0.588 (a program per item, where longer rows hide its start).
-PERSISTENT_MAX_WINDOW = 4096
+# on the H100 at B1 H16 N16384 causal, persistent (64-key tiles) against a program per item and against the Triton
+# forward: documents of mean length 1024 0.214 against 0.451 and 0.241 ms. Windows, d 64, two / three consumers
+# against a program per item: 256 keys 0.095 / 0.109 against 0.201; 512 0.140 / 0.135 against 0.213; 1024 0.230 /
+# 0.210 against 0.273; 2048 0.408 / 0.368 against 0.381; 3072 0.586 / 0.517 against 0.491 (longer rows hide a
+# program's start). d 128: 256 keys 0.128 / 0.151; 1024 0.307 / 0.290 against 0.306. Documents keep two consumers
+# (0.214 against 0.229 with three; with GQA and a window too 0.211 against 0.305).
+PERSISTENT_MAX_WINDOW = 3072
+THREE_CONSUMERS_MIN_WINDOW = 512
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,8 @@ class HopperTiles:
 
 def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[int] = None,
               docs: bool = False) -> HopperTiles:
-    """The forward's tiles: persistent for short key ranges (documents, windows under PERSISTENT_MAX_WINDOW);
-    otherwise three consumers (192 rows a program) when that still gives every SM four programs, else two.
+    """The forward's tiles: persistent for short key ranges (documents, windows under PERSISTENT_MAX_WINDOW), with
+    three consumers for windows from THREE_CONSUMERS_MIN_WINDOW keys without documents; otherwise three consumers (192 rows a program) when that still gives every SM four programs, else two.
 
     Measured on the H100: three consumers ran the B1 H16 N16384 d 64 causal forward 8% faster than two, d 128
     causal 9%, d 64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
@@ -75,7 +79,10 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[
     MIN_SCORES.
     """
     if docs or (window is not None and window < PERSISTENT_MAX_WINDOW):
-        return HopperTiles(consumers=2, block_n=64, stages=4, persistent=True)
+        if docs or window < THREE_CONSUMERS_MIN_WINDOW:
+            return HopperTiles(consumers=2, block_n=64, stages=4, persistent=True)
+        # Three query buffers twice over and four key/value slots of 64 x 128 take 224 KB at d 128: three slots.
+        return HopperTiles(consumers=3, block_n=64, stages=4 if d == 64 else 3, persistent=True)
     block_n = 128 if d == 64 else 64
     three = HopperTiles(consumers=3, block_n=block_n, stages=3)
     if batch_heads * math.ceil(n / three.rows) >= 4 * sm_count:

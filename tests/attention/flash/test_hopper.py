@@ -158,6 +158,14 @@ def test_short_key_ranges_run_the_persistent_forward():
         assert hopper.tiles_for(d, 16384, 16, 132, docs=True).persistent
         assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW - 1).persistent
         assert not hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW).persistent
+        # two consumers for documents and short windows, three for longer windows
+        assert hopper.tiles_for(d, 16384, 16, 132, window=1024, docs=True).consumers == 2
+        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.THREE_CONSUMERS_MIN_WINDOW - 1).consumers == 2
+        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.THREE_CONSUMERS_MIN_WINDOW).consumers == 3
+        for window in (None, 256, 1024):
+            t = hopper.tiles_for(d, 16384, 16, 132, window=window, docs=window is None)
+            q_buffers = 2 * t.consumers * t.block_m  # the persistent forward's two buffers of query rows
+            assert (q_buffers + 2 * t.stages * t.block_n) * d * 2 <= 227 * 1024
     for d in hopper.HEAD_DIMS:
         for t in (hopper.tiles_for(d, 16384, 16, 132), hopper.tiles_for(d, 128, 1, 132)):
             assert hopper.SEQ_MULTIPLE % t.block_n == 0 and hopper.SEQ_MULTIPLE % t.block_m == 0
@@ -553,9 +561,10 @@ def test_masked_forward_and_backward_match_float64(case, h, h_kv, d, tiles):
 @requires_hopper
 @pytest.mark.parametrize("case", list(MASK_CASES))
 @pytest.mark.parametrize("h, h_kv", [(8, 8), (8, 2)], ids=str)
-def test_the_persistent_forward_is_the_forward_of_a_program_per_item(case, h, h_kv):
-    """With several work items to a program (here 2 * 8 * 16 items on at most 132 programs), each of its own number
-    of key tiles, the persistent forward gives bitwise the O and L of a program per item."""
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_the_persistent_forward_is_the_forward_of_a_program_per_item(case, h, h_kv, consumers):
+    """With several work items to a program (here 2 * 8 * 16 or 11 items on at most 132 programs), each of its own
+    number of key tiles, the persistent forward gives bitwise the O and L of a program per item."""
     causal, window, docs = MASK_CASES[case]
     b, n, d, dtype = 2, 2048, 64, torch.bfloat16
     doc_ids = None if docs is None else random_doc_ids(b, n, *docs, seed=n + h_kv)
@@ -566,7 +575,8 @@ def test_the_persistent_forward_is_the_forward_of_a_program_per_item(case, h, h_
     for persistent in (False, True):
         o = torch.full_like(q, float("nan"))
         lse = torch.full((b, h, n), float("nan"), device=DEVICE)
-        hopper.forward(q, k, v, o, lse, causal, d ** -0.5, HopperTiles(2, 64, 4, persistent=persistent), masks)
+        hopper.forward(q, k, v, o, lse, causal, d ** -0.5, HopperTiles(consumers, 64, 4, persistent=persistent),
+                       masks)
         outputs.append((o, lse))
     (o, lse), (o_p, lse_p) = outputs
     assert not o.isnan().any()
