@@ -155,7 +155,11 @@ def test_compiled_and_graphed_steps_match_one_adamw_bitwise(compiled):
         return step
 
     graphs = [GraphedStep(step_with(plain_model, plain), plain), GraphedStep(step_with(model, overlapped), overlapped)]
-    losses = [[g(x, y)[0].item() for x, y in _batches(6, "cuda")] for g in graphs]
+    # The two models' compiles must pick the same kernels. Inductor picks some by timing candidates on the device,
+    # which other processes on the GPU can sway: the bitwise check failed under 14 pytest workers sharing an H100
+    # and passed alone. Its deterministic mode skips the timings that change numerics.
+    with torch._inductor.config.patch(deterministic=True):
+        losses = [[g(x, y)[0].item() for x, y in _batches(6, "cuda")] for g in graphs]
     assert all(g.captured for g in graphs)
     assert losses[0] == losses[1]
     for p, q in zip(plain_model.parameters(), model.parameters()):
