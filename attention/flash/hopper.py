@@ -71,7 +71,8 @@ class HopperTiles:
 def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[int] = None,
               docs: bool = False) -> HopperTiles:
     """The forward's tiles: persistent for short key ranges (documents, windows under PERSISTENT_MAX_WINDOW), with
-    three consumers for windows from THREE_CONSUMERS_MIN_WINDOW keys without documents; otherwise three consumers (192 rows a program) when that still gives every SM four programs, else two.
+    three consumers for windows from THREE_CONSUMERS_MIN_WINDOW keys without documents; otherwise three consumers (192
+    rows a program) when that still gives every SM four programs, else two.
 
     Measured on the H100: three consumers ran the B1 H16 N16384 d 64 causal forward 8% faster than two, d 128
     causal 9%, d 64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
@@ -81,7 +82,7 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[
     if docs or (window is not None and window < PERSISTENT_MAX_WINDOW):
         if docs or window < THREE_CONSUMERS_MIN_WINDOW:
             return HopperTiles(consumers=2, block_n=64, stages=4, persistent=True)
-        # Three query buffers twice over and four key/value slots of 64 x 128 take 224 KB at d 128: three slots.
+        # d 128: three slots, as the plain three-consumer forward there (four would take 224 of an SM's 227 KB).
         return HopperTiles(consumers=3, block_n=64, stages=4 if d == 64 else 3, persistent=True)
     block_n = 128 if d == 64 else 64
     three = HopperTiles(consumers=3, block_n=block_n, stages=3)
