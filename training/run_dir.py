@@ -1,7 +1,8 @@
 """A run owns its output directory: a lock against a second run, and no silent replacement of an earlier run.
 
-- The lock is `<out>/.lock`, created atomically (O_CREAT | O_EXCL) and holding the host, pid and start time of the
-  process that owns the directory; it is removed when the run ends. A lock left by a process that no longer runs
+- The lock is `<out>/.lock`, holding the host, pid and start time of the process that owns the directory; it is
+  written in full under a temporary name and hard-linked into place (which fails if a lock exists), so it never
+  exists half written, and it is removed when the run ends. A lock left by a process that no longer runs
   on this host (killed with SIGKILL, say) is stale: it is taken over with a message. A lock from another host cannot
   be checked from here; the message says which file to delete if that run is gone.
 - A run without --resume into a directory that already holds a run (a checkpoint, or metrics) stops and names
@@ -16,19 +17,15 @@ import json
 import os
 import socket
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
-from training.files import remove_leftovers, temp_path
+from training.files import fsync_dir, remove_leftovers, temp_path
 
 LOCK_NAME = ".lock"
 CHECKPOINT_PATTERNS = ("checkpoint.pt", "checkpoint-*.pt", "checkpoint_dcp")
 METRICS_NAME = "metrics.jsonl"
-# A lock file that cannot be parsed is a process killed between creating and writing it, or one writing it right
-# now; only after this long is it taken for the former.
-UNREADABLE_LOCK_GRACE_S = 10.0
 
 
 class RunDirError(RuntimeError):
@@ -96,18 +93,28 @@ class RunLock:
     def acquire(self) -> None:
         content = json.dumps(_this_process()) + "\n"
         for _ in range(10):  # each pass either takes the lock, raises, or removed a stale lock
+            # A process killed before the link leaves only its temporary file, which the next owner removes.
+            tmp = temp_path(self.path)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            except OSError as e:
-                raise RunDirError(f"--out {self.out} is not writable: {e.strerror}") from None
-            try:
-                os.write(fd, content.encode())
-                os.fsync(fd)
+                try:
+                    with open(tmp, "x") as f:
+                        f.write(content)
+                        f.flush()
+                        os.fsync(f.fileno())
+                except OSError as e:
+                    raise RunDirError(f"--out {self.out} is not writable: {e.strerror}") from None
+                try:
+                    os.link(tmp, self.path)
+                except FileExistsError:
+                    self._take_over_if_stale()
+                    continue
+                except FileNotFoundError:  # the temporary file removed as a leftover by the run holding the lock
+                    continue
+                except OSError as e:
+                    raise RunDirError(f"--out {self.out}: cannot create the lock {self.path}: {e.strerror}") from None
             finally:
-                os.close(fd)
+                tmp.unlink(missing_ok=True)
+            fsync_dir(self.out)
             self._content = content
             return
         raise RunDirError(f"{self.out}: could not take the lock {self.path}; other processes keep taking it")
@@ -116,16 +123,13 @@ class RunLock:
         """Raise if the lock belongs to a live (or uncheckable) run; otherwise remove it, with a message."""
         try:
             text = self.path.read_text()
-            mtime = self.path.stat().st_mtime
         except FileNotFoundError:  # released in the meantime
             return
         try:
             holder = json.loads(text)
             host, pid = str(holder["host"]), int(holder["pid"])
-        except (ValueError, KeyError, TypeError):
-            if time.time() - mtime < UNREADABLE_LOCK_GRACE_S:
-                raise RunDirError(f"{self.out} is being taken by another run right now (lock {self.path})") from None
-            why = "an unreadable lock (its process died while writing it)"
+        except (ValueError, KeyError, TypeError):  # never written by a run: a lock appears only complete
+            why = "an unreadable lock"
         else:
             if host != socket.gethostname():
                 raise RunDirError(f"{self.out} is in use by process {pid} on host {host}, which cannot be checked "

@@ -70,17 +70,45 @@ def test_lock_of_another_host_names_the_file_to_delete(tmp_path):
     assert path.exists()
 
 
-def test_unreadable_lock_is_respected_while_fresh_and_taken_over_when_old(tmp_path):
-    path = tmp_path / LOCK_NAME
-    path.write_text("")
-    with pytest.raises(RunDirError, match="is being taken by another run right now"):
-        RunLock(tmp_path).acquire()
-    old = time.time() - 60
-    os.utime(path, (old, old))
+def test_unreadable_lock_is_taken_over_with_a_message(tmp_path):
+    (tmp_path / LOCK_NAME).write_text("")  # a run never leaves one: its lock appears complete or not at all
     messages = []
     with RunLock(tmp_path, messages.append):
-        pass
-    assert messages == [f"{tmp_path}: removed an unreadable lock (its process died while writing it)"]
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert messages == [f"{tmp_path}: removed an unreadable lock"]
+
+
+def _die_while_taking_the_lock(out: Path, moment: str) -> None:
+    """In a forked child: acquire the lock of `out` and die with os._exit (no cleanup, as under SIGKILL) half-way
+    through writing it, or just before linking it into place."""
+    def torn_write(fd: int) -> None:
+        os.ftruncate(fd, 5)
+        os._exit(9)
+
+    pid = os.fork()
+    if pid == 0:
+        if moment == "writing":
+            run_dir.os.fsync = torn_write
+        else:
+            run_dir.os.link = lambda *args: os._exit(9)
+        try:
+            RunLock(out).acquire()
+        finally:
+            os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 9
+
+
+@pytest.mark.parametrize("moment", ["writing", "linking"])
+def test_a_run_killed_while_taking_the_lock_leaves_no_lock(tmp_path, moment):
+    """At most a temporary file is left; the next run takes the lock at once and removes that file."""
+    _die_while_taking_the_lock(tmp_path, moment)
+    assert not (tmp_path / LOCK_NAME).exists()
+    messages = []
+    lock = run_dir.claim(tmp_path, resume=False, overwrite=False, say=messages.append)
+    run_dir.prepare(tmp_path, overwrite=False, say=messages.append)
+    lock.release()
+    assert [p.name for p in tmp_path.iterdir()] == []
+    assert len(messages) == 1 and messages[0].startswith(f"{tmp_path}: removed 1 temporary file left by an "), messages
 
 
 def _take(out: str, start, results) -> None:
