@@ -3,8 +3,11 @@
 import atexit
 import os
 import shutil
+import sysconfig
 import tempfile
+from pathlib import Path
 
+import pytest
 import torch
 
 # Must happen before any module that defines Triton kernels is imported.
@@ -19,3 +22,12 @@ os.environ["TRITON_CACHE_DIR"] = _TRITON_CACHE
 atexit.register(shutil.rmtree, _TRITON_CACHE, ignore_errors=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """About 200 KB of real Python source, for training runs on the CPU."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(b"\n".join((stdlib / name).read_bytes() for name in ("argparse.py", "textwrap.py")))
+    return path

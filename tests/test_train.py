@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,6 @@ from training.step import TrainingStep
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "32",
         "--batch-size", "4", "--device", "cpu", "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    """About 200 KB of real Python source."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"\n".join((stdlib / name).read_bytes() for name in ("argparse.py", "textwrap.py")))
-    return path
 
 
 def run(tmp_path, text_file, *extra, name="run"):

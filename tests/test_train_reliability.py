@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import traceback
 from pathlib import Path
@@ -34,14 +33,6 @@ from training.step import TrainingStep
 T = ["--device", "cpu", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128",
      "--context-length", "64", "--batch-size", "8", "--wandb", "disabled", "--eval-batches", "1",
      "--warmup-steps", "2"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"\n".join((stdlib / name).read_bytes() for name in ("argparse.py", "textwrap.py")))
-    return path
 
 
 def argv(text_file: Path, out: Path, *extra: str) -> list[str]:
