@@ -425,8 +425,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]], traceable: bool,
               window: Optional[int], softcap: Optional[float], bounds: Optional[tuple]) -> tuple:
-    """(dq, dk, dv, launches): backward(), and its launches resolved (delta, dK/dV, dQ), None unless all were;
-    bounds as in _forward."""
+    """(dq, dk, dv, launches): backward(), and its launches resolved (dQ, then dK/dV, which reads the delta dQ
+    writes), None unless both were; bounds as in _forward."""
     tiles = tiles or {}
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
@@ -437,23 +437,24 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     dq, dk, dv = (empty_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = as_bhsd(dq), as_bhsd(dk), as_bhsd(dv)
     start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(scale, window, softcap, bounds, lse)
+    rowsum = empty((b, h, n_q), torch.float32, q.device)  # delta = rowsum(dO * O): the dQ kernel writes it
     with on_device_of(q):
-        rowsum, delta_launch = delta_and_launch(o4, do4, traceable)
+        args = (q4, k4, v4, o4, do4, lse, rowsum, dq4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
+                *_strides(o4), *_strides(do4), *_strides(dq4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e,
+                window_arg)
+        dq_launch = _launch("dq", (n_q, n_k), b * h, args, 10, meta, q, tiles.get("dq"), traceable)
         args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
                 *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e,
                 window_arg)
         dkdv_launch = _launch("dkdv", (n_q, n_k), b * (h // groups), args, 10, meta, q, tiles.get("dkdv"), traceable)
-        args = (q4, k4, v4, do4, lse, rowsum, dq4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
-                *_strides(do4), *_strides(dq4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e, window_arg)
-        dq_launch = _launch("dq", (n_q, n_k), b * h, args, 9, meta, q, tiles.get("dq"), traceable)
-    launches = (delta_launch, dkdv_launch, dq_launch)
+    launches = (dq_launch, dkdv_launch)
     return dq, dk, dv, None if None in launches else launches
 
 
 def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor,
                      traceable: bool = False) -> tuple[torch.Tensor, Optional[Launch]]:
-    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads; and its
-    launch resolved (None when traced)."""
+    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads, for the
+    Hopper kernels (the Triton dQ kernel computes its own); and its launch resolved (None when traced)."""
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
     launch = _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
@@ -500,19 +501,18 @@ class BackwardPlan:
     """backward() of one input signature, resolved: `plan(q, k, v, o, lse, do, bounds) -> (dq, dk, dv)`, bounds as
     in ForwardPlan."""
 
-    __slots__ = ("delta", "dkdv", "dq", "rowsum_shape")
+    __slots__ = ("dq", "dkdv", "rowsum_shape")
 
-    def __init__(self, launches: tuple[Launch, Launch, Launch], rowsum_shape: tuple[int, ...]):
-        (self.delta, self.dkdv, self.dq), self.rowsum_shape = launches, rowsum_shape
+    def __init__(self, launches: tuple[Launch, Launch], rowsum_shape: tuple[int, ...]):
+        (self.dq, self.dkdv), self.rowsum_shape = launches, rowsum_shape
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                  do: torch.Tensor, bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         rowsum = empty(self.rowsum_shape, torch.float32, q.device)
         start, end = bounds or (lse, lse)
-        self.delta(o, do, rowsum)
+        self.dq(q, k, v, o, do, lse, rowsum, dq, start, end)
         self.dkdv(q, k, v, do, lse, rowsum, dk, dv, start, end)
-        self.dq(q, k, v, do, lse, rowsum, dq, start, end)
         return dq, dk, dv
 
 

@@ -320,7 +320,8 @@ def attn_fwd(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Backward: delta pre-pass, then dK/dV (program per key tile) and dQ (program per query tile). No atomics.
+# Backward: dQ (program per query tile; it writes delta), then dK/dV (program per key tile). No atomics. The delta
+# pre-pass is the Hopper backward's, whose dK/dV and dQ kernels run side by side.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -332,7 +333,7 @@ def attn_bwd_delta(
     H, N_Q,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by every key of a row."""
+    """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by every key of a row (Hopper backward)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -577,10 +578,11 @@ def _dq_kv_loop(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, L, DELTA, DQ, START, END,
+    Q, K, V, O, DO, L, DELTA, DQ, START, END,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, N_Q, N_K, qk_scale, scale, cap_scale, cap_log2e, window,
@@ -588,7 +590,8 @@ def attn_bwd_dq(
     GROUP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ for one query tile of one (batch, head): q, dO, L, delta stay on chip, key tiles stream past."""
+    """dQ for one query tile of one (batch, head): q, dO, L, delta stay on chip, key tiles stream past. It computes
+    the tile's delta = rowsum(dO * O) and writes it to DELTA, for the dK/dV kernel launched after it."""
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 from Inductor, see attn_fwd
     cap_scale, cap_log2e = tl.cast(cap_scale, tl.float32), tl.cast(cap_log2e, tl.float32)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: heaviest query tiles first
@@ -598,6 +601,7 @@ def attn_bwd_dq(
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + (h // GROUP) * stride_kh
     V += b * stride_vb + (h // GROUP) * stride_vh
+    O += b * stride_ob + h * stride_oh
     DO += b * stride_dob + h * stride_doh
     DQ += b * stride_dqb + h * stride_dqh
     L += bh.to(tl.int64) * N_Q
@@ -611,7 +615,9 @@ def attn_bwd_dq(
     do = _load_tile(DO + rows_m * stride_dom + offs_d[None, :] * stride_dod, offs_m, N_Q, offs_d, D, BLOCK_D, True)
     # Rows past N_Q: L = +inf gives p = 0; they are not stored either way.
     lse2 = tl.load(L + offs_m, mask=offs_m < N_Q, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)
+    o = _load_tile(O + rows_m * stride_om + offs_d[None, :] * stride_od, offs_m, N_Q, offs_d, D, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + offs_m, delta, mask=offs_m < N_Q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if WINDOW or DOCS:  # the key tiles of the forward's query tile: masked, whole, masked

@@ -262,7 +262,7 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     for _ in range(2):  # the kernels directly: the input checks would refuse the patched non-interpreter mode
         o, lse = flash_triton.forward(q, k, v, True, 0.25)
         results.append([o, *flash_triton.backward(q, k, v, o, lse, do, True, 0.25)])
-    assert tuned_calls == ["fwd", "dkdv", "dq"]  # the second call went around the tuners
+    assert tuned_calls == ["fwd", "dq", "dkdv"]  # the second call went around the tuners
     assert all(torch.equal(a, b) for a, b in zip(*results))
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=0.25)
     assert torch.allclose(results[1][0].double(), expected, atol=1e-4)
@@ -547,7 +547,7 @@ def test_a_launch_seen_before_runs_its_compiled_kernel(monkeypatch):
     o, lse = flash_triton.forward(q, k, v, True, 0.125)
     first = flash_triton.backward(q, k, v, o, lse, do, True, 0.125)
     seen = len(flash_triton._compiled)
-    assert seen == 4  # forward, delta, dK/dV, dQ
+    assert seen == 3  # forward, dQ (which writes delta), dK/dV
     o2, lse2 = flash_triton.forward(q, k, v, True, 0.125)
     again = flash_triton.backward(q, k, v, o2, lse2, do, True, 0.125)
     assert len(flash_triton._compiled) == seen
@@ -556,3 +556,27 @@ def test_a_launch_seen_before_runs_its_compiled_kernel(monkeypatch):
     o3, _ = flash_triton.forward(offset, k, v, True, 0.125)
     assert len(flash_triton._compiled) == seen + 1
     torch.testing.assert_close(o3, o, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("h, h_kv, n", [(2, 2, 100), (4, 2, 40)])
+def test_the_dq_kernel_writes_the_delta_that_dkdv_reads(monkeypatch, h, h_kv, n):
+    """The backward is two launches: dQ, which computes delta = rowsum(dO * O) for its rows and writes it, then
+    dK/dV, which reads it (no pre-pass kernel)."""
+    launched = []
+    real = flash_triton._launch
+
+    def spy(kernel, seq_lens, bh, args, n_tensors, *rest, **kwargs):
+        launched.append((kernel, args[6] if kernel == "dq" else args[5]))  # the delta each kernel is given
+        return real(kernel, seq_lens, bh, args, n_tensors, *rest, **kwargs)
+
+    q = randn(2, h, n, 16, seed=0)
+    k, v = (randn(2, h_kv, n, 16, seed=s) for s in (1, 2))
+    o, lse = flash_triton.forward(q, k, v, True, 0.25)
+    do = randn(*o.shape, seed=3)
+    monkeypatch.setattr(flash_triton, "_launch", spy)
+    monkeypatch.setattr(flash_triton, "delta_and_launch", None)  # the Hopper backward's pre-pass: not called
+    flash_triton.backward(q, k, v, o, lse, do, True, 0.25)
+    assert [kernel for kernel, _ in launched] == ["dq", "dkdv"]
+    (_, written), (_, read) = launched
+    assert written is read
+    torch.testing.assert_close(written.double(), (do.double() * o.double()).sum(-1), rtol=1e-5, atol=1e-5)
