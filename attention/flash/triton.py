@@ -451,15 +451,14 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     return dq, dk, dv, None if None in launches else launches
 
 
-def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor,
-                     traceable: bool = False) -> tuple[torch.Tensor, Optional[Launch]]:
-    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term every backward kernel reads, for the
-    Hopper kernels (the Triton dQ kernel computes its own); and its launch resolved (None when traced)."""
+def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor) -> tuple[torch.Tensor, Launch]:
+    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term the Hopper backward kernels read (the
+    Triton dQ kernel computes its own); and its launch resolved."""
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
     launch = _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
                   (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
-                  {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {}, traceable)
+                  {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {})
     return out, launch
 
 
