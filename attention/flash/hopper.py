@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of
-from attention.flash.triton import Launch, delta_and_launch, plannable
+from attention.flash.triton import Launch, delta_and_launch, plannable, work_order
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -314,6 +314,20 @@ class Masks:
 NO_MASKS = Masks()
 
 
+@dataclass(frozen=True)
+class ItemOrder:
+    """The order in which the persistent forward takes its work items with documents (triton.work_order), resolved:
+    `order(starts, ends)` ranks them for a call's document bounds."""
+
+    launch: Launch
+    shape: tuple[int, ...]
+
+    def __call__(self, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        order = empty(self.shape, torch.int32, starts.device)
+        self.launch(starts, ends, order)
+        return order
+
+
 def _check_tiles(n: int, t: HopperTiles) -> None:
     if n % t.block_m or n % t.block_n:
         raise ValueError(f"sequence length {n} is not a multiple of the tiles {t.block_m} and {t.block_n}")
@@ -326,10 +340,11 @@ def _launch_of(jit_fn, kernel, grid: tuple[int, int], args: tuple, n_tensors: in
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-            scale: float, tiles: Optional[HopperTiles] = None, masks: Masks = NO_MASKS) -> tuple[Launch, tuple]:
+            scale: float, tiles: Optional[HopperTiles] = None,
+            masks: Masks = NO_MASKS) -> tuple[Launch, tuple, Optional[ItemOrder]]:
     """Write o (q's memory order) and lse ((batch * heads, seq) fp32, natural log) for accepted inputs; k and v may
-    have fewer heads than q (GQA: a divisor of q's). Returns the launch resolved and its descriptors of q, k, v, o
-    (see ForwardPlan)."""
+    have fewer heads than q (GQA: a divisor of q's). Returns the launch resolved, its descriptors of q, k, v, o and,
+    for documents on the persistent grid, the order of its work items (see ForwardPlan)."""
     import triton
 
     from attention.flash.hopper_kernels import attn_fwd_hopper
@@ -341,12 +356,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     k_desc, k_index = _descriptor(k, t.block_n)
     v_desc, v_index = _descriptor(v, t.block_n)
     starts, ends, window = masks.arguments(lse)
+    order, item_order = lse, None  # read by persistent programs with documents only (hopper_kernels._work_item)
+    if t.persistent and masks.starts is not None:
+        order, launch = work_order(starts, ends, n, t.rows, t.block_n, causal, masks.window)
+        item_order = ItemOrder(launch, tuple(order.shape))
     descs = (q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m))
     items = (triton.cdiv(n, t.rows), b * h)
     grid = (min(items[0] * items[1], _sm_count(q.device.index or 0)), 1) if t.persistent else items
-    args = (*descs, lse, starts, ends, *q_index, *k_index, *v_index, h, n, b * h, window, scale * math.log2(math.e))
+    args = (*descs, lse, starts, ends, order, *q_index, *k_index, *v_index, h, n, b * h, window,
+            scale * math.log2(math.e))
     meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), PERSISTENT=t.persistent)
-    return _launch_of(attn_fwd_hopper, attn_fwd_hopper[grid](*args, **meta), grid, args, 7, meta), descs
+    launch = _launch_of(attn_fwd_hopper, attn_fwd_hopper[grid](*args, **meta), grid, args, 8, meta)
+    return launch, descs, item_order
 
 
 def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[str, HopperTiles]:
@@ -429,12 +450,14 @@ def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
 
 def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   masks: Masks) -> tuple:
-    """(o, lse, launch, descriptors) of forward() on inputs shaped as the registry takes them, or (b, h, s, d)."""
+    """(o, lse, launch, descriptors, item order) of forward() on inputs shaped as the registry takes them, or (b, h,
+    s, d)."""
     o = empty_like(q)
     lse = empty(tuple(q.shape[:-1]), torch.float32, q.device)
     with on_device_of(q):
-        launch, descs = forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, causal, scale, masks=masks)
-    return o, lse, launch, descs
+        launch, descs, item_order = forward(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(o), lse, causal, scale,
+                                            masks=masks)
+    return o, lse, launch, descs, item_order
 
 
 def _backward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
@@ -476,19 +499,20 @@ def _released(descs: tuple) -> tuple:
 
 class ForwardPlan:
     """forward() of one input signature, resolved: `plan(q, k, v, bounds) -> (o, lse)`, bounds the call's document
-    bounds where the signature has documents (triton.ForwardPlan)."""
+    bounds where the signature has documents (triton.ForwardPlan); with them, the order of the work items too."""
 
-    __slots__ = ("launch", "descs", "lse_shape")
+    __slots__ = ("launch", "descs", "lse_shape", "order")
 
-    def __init__(self, launch: Launch, descs: tuple, lse_shape: tuple[int, ...]):
-        self.launch, self.descs, self.lse_shape = launch, _released(descs), lse_shape
+    def __init__(self, launch: Launch, descs: tuple, lse_shape: tuple[int, ...], order: Optional[ItemOrder]):
+        self.launch, self.descs, self.lse_shape, self.order = launch, _released(descs), lse_shape, order
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
         o = empty_like(q)
         lse = empty(self.lse_shape, torch.float32, q.device)
-        # START, END: unread without documents
-        _launch_pointed(self.launch, self.descs, (q, k, v, o), lse, *(bounds or (lse, lse)))
+        starts, ends = bounds or (lse, lse)  # unread without documents
+        order = lse if self.order is None else self.order(starts, ends)
+        _launch_pointed(self.launch, self.descs, (q, k, v, o), lse, starts, ends, order)
         return o, lse
 
 
@@ -521,8 +545,8 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """(o, lse) of inputs (shaped as the registry takes them, or (batch, heads, seq, d)) that forward_problem
     accepted, and the plan that repeats the call for inputs of the same signature (None for more than 4 dims).
     bounds: the documents' (ForwardPlan)."""
-    o, lse, launch, descs = _forward_call(q, k, v, causal, scale, Masks(window, *(bounds or ())))
-    return o, lse, ForwardPlan(launch, descs, tuple(lse.shape)) if plannable(q, k, v) else None
+    o, lse, launch, descs, item_order = _forward_call(q, k, v, causal, scale, Masks(window, *(bounds or ())))
+    return o, lse, ForwardPlan(launch, descs, tuple(lse.shape), item_order) if plannable(q, k, v) else None
 
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,

@@ -36,10 +36,10 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, START,
-              END, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h, H, N,
-              window, t0, t_end, t_step, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
+              END, ORDER, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h, H,
+              N, window, t0, t_end, t_step, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
               GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              Q_BUFFERS: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, ORDERED: gl.constexpr):
     """For each work item of the program: each consumer's query rows, then the key and value tiles they stream.
     The ring of slots runs on across items, so the next item's loads start while the consumers finish the last."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -47,7 +47,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     ring = t0 * 0  # tiles streamed by the items before
     item = t0 * 0
     for t in range(t0, t_end, t_step):
-        b, h, m0 = _work_item(t, H, N, ROWS, CAUSAL)
+        b, h, m0 = _work_item(t, t_end, t_step, ORDER, H, N, ROWS, CAUSAL, ORDERED)
         _, _, first, n_tiles = _key_stream(b, m0, N, window, START, END, ROWS, CAUSAL, WINDOW, DOCS, BLOCK_N)
         kv_h = h // GROUP
         buf = item % Q_BUFFERS
@@ -300,15 +300,16 @@ def _release(ready, empty, lo, hi, STAGES: gl.constexpr, also_ready=None):
 
 
 @gluon.jit
-def _consumer(o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, q_rows_b,
-              q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, CONSUMER: gl.constexpr,
+def _consumer(o_desc, L, START, END, ORDER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, CONSUMER: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              ORDERED: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
     ring = t0 * 0
     item = t0 * 0
     for t in range(t0, t_end, t_step):
-        b, h, m0 = _work_item(t, H, N, ROWS, CAUSAL)
+        b, h, m0 = _work_item(t, t_end, t_step, ORDER, H, N, ROWS, CAUSAL, ORDERED)
         starts, ends, first, n_tiles = _key_stream(b, m0, N, window, START, END, ROWS, CAUSAL, WINDOW, DOCS, BLOCK_N)
         first_row = m0 + CONSUMER * BLOCK_M
         buf = item % Q_BUFFERS
@@ -333,10 +334,24 @@ def _consumer(o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k
 
 
 @gluon.jit
-def _work_item(t, H, N, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+def _work_item(t, t_end, t_step, ORDER, H, N, ROWS: gl.constexpr, CAUSAL: gl.constexpr, ORDERED: gl.constexpr):
     """(b, h, first query row) of forward work item t: item t covers query rows block t % blocks of (batch, head)
-    t // blocks, the blocks of a head in the order they launch (see _query_program)."""
+    t // blocks, the blocks of a head in the order they launch (see _query_program).
+
+    ORDERED (documents): ORDER lists the (batch, block) pairs by the key tiles they stream, most first
+    (attention.flash.triton.work_order), and each pair stands for its H heads in turn. Program p takes the items of
+    ranks p, 2 * programs - 1 - p, 2 * programs + p, ...: a snake through the ranks, so every program gets a long
+    item and a short one in turn. Documents of random lengths give items of 1 to 30 key tiles, and the static
+    round robin left some programs running 20-30% longer than the mean."""
     blocks = gl.cdiv(N, ROWS)
+    if ORDERED:
+        k = t // t_step
+        p = t % t_step
+        rank = t
+        if (k % 2 == 1) & ((k + 1) * t_step <= t_end):  # a full round runs backward; a last partial one forward
+            rank = k * t_step + t_step - 1 - p
+        bm = gl.load(ORDER + rank // H)
+        return bm // blocks, rank % H, (bm % blocks) * ROWS
     m = t % blocks
     if CAUSAL:
         m = blocks - 1 - m  # the longest rows first, for a better tail
@@ -375,7 +390,7 @@ def _key_stream(b, m0, N, window, START, END, ROWS: gl.constexpr, CAUSAL: gl.con
 
 @gluon.jit
 def attn_fwd_hopper(
-    q_desc, k_desc, v_desc, o_desc, L, START, END,
+    q_desc, k_desc, v_desc, o_desc, L, START, END, ORDER,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     H, N, BH, window, qk_scale,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -398,6 +413,7 @@ def attn_fwd_hopper(
     D: gl.constexpr = q_desc.block_type.shape[1]
     # Two buffers of query rows when items follow each other: the next item's rows load while O of the last leaves.
     Q_BUFFERS: gl.constexpr = 1 + PERSISTENT
+    ORDERED: gl.constexpr = PERSISTENT and DOCS  # items in the order ORDER gives (_work_item)
     if PERSISTENT:
         t0 = gl.program_id(0)
         t_end = gl.cdiv(N, BLOCK_M * NUM_CONSUMERS) * BH
@@ -427,33 +443,33 @@ def attn_fwd_hopper(
     # Worker partitions take no distributed tensors, so each consumer's arguments are spelled out.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            (_consumer, (o_desc, L, START, END, ORDER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 0, CAUSAL,
-                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS, ORDERED)),
+            (_consumer, (o_desc, L, START, END, ORDER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 1, CAUSAL,
-                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS, ORDERED)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, START, END, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b,
-                         v_rows_h, v_cols_h, H, N, window, t0, t_end, t_step, CAUSAL, WINDOW, DOCS, GROUP, BLOCK_N,
-                         STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+                         kv_empty, START, END, ORDER, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h,
+                         v_rows_b, v_rows_h, v_cols_h, H, N, window, t0, t_end, t_step, CAUSAL, WINDOW, DOCS, GROUP,
+                         BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS, ORDERED)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            (_consumer, (o_desc, L, START, END, ORDER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 0, CAUSAL,
-                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS, ORDERED)),
+            (_consumer, (o_desc, L, START, END, ORDER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 1, CAUSAL,
-                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
-            (_consumer, (o_desc, L, START, END, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS, ORDERED)),
+            (_consumer, (o_desc, L, START, END, ORDER, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                          kv_empty, q_rows_b, q_rows_h, q_cols_h, H, N, window, qk_scale, t0, t_end, t_step, 2, CAUSAL,
-                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+                         WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS, ORDERED)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                         kv_empty, START, END, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b,
-                         v_rows_h, v_cols_h, H, N, window, t0, t_end, t_step, CAUSAL, WINDOW, DOCS, GROUP, BLOCK_N,
-                         STAGES, NUM_CONSUMERS, Q_BUFFERS)),
+                         kv_empty, START, END, ORDER, q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h,
+                         v_rows_b, v_rows_h, v_cols_h, H, N, window, t0, t_end, t_step, CAUSAL, WINDOW, DOCS, GROUP,
+                         BLOCK_N, STAGES, NUM_CONSUMERS, Q_BUFFERS, ORDERED)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -768,13 +784,13 @@ def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 @gluon.jit
 def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
-               v_col, first_key, first, full_lo, full_hi, n_tiles, START, END, window, qk_scale, scale,
+               v_col, first_key, first, full_lo, full_hi, lo, hi, n_tiles, START, END, window, qk_scale, scale,
                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
-    """dK and dV of one consumer's BLOCK_M key rows over every streamed query tile (of GROUP query heads in turn,
-    n_tiles in all; query tiles first + j of each), written out. Tiles outside [full_lo, full_hi) of a head's stream
-    are masked: those of the program that lie wholly outside this consumer's keys are masked to zero, not
-    skipped."""
+    """dK and dV of one consumer's BLOCK_M key rows over streamed query tiles [lo, hi) (of GROUP query heads in
+    turn, n_tiles in all; query tiles first + j of each), written out. Tiles outside [full_lo, full_hi) of a head's
+    stream are masked; with GROUP > 1 those of the program that lie wholly outside this consumer's keys are masked
+    to zero, not skipped."""
     dtype: gl.constexpr = dk_desc.dtype
     D: gl.constexpr = dk_desc.block_type.shape[1]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -785,34 +801,35 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
 
     keys = first_key + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
     key_start, key_end = _doc_bounds(START, END, keys, DOCS)
-    last = n_tiles - 1
+    last = hi - 1
     per_head = n_tiles // GROUP
     dk = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
 
-    # Tile 0: dV and dS^T only; its dK matmul is issued beside tile 1's dP^T (or after the loop).
-    mbarrier.wait(ready.index(0), 0)
-    st_tok = warpgroup_mma(k, q_smem.index(0).permute((1, 0)),
+    # Tile lo: dV and dS^T only; its dK matmul is issued beside the next tile's dP^T (or after the loop).
+    slot = lo % STAGES
+    mbarrier.wait(ready.index(slot), (lo // STAGES) & 1)
+    st_tok = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)),
                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
-    dpt_tok = warpgroup_mma(v, do_smem.index(0).permute((1, 0)),
+    dpt_tok = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)),
                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
-    lse2 = lse_smem.index(0).load(col_s) * LOG2E
-    delta = delta_smem.index(0).load(col_s)
+    lse2 = lse_smem.index(slot).load(col_s) * LOG2E
+    delta = delta_smem.index(slot).load(col_s)
     st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
     pt = gl.exp2(st * qk_scale - lse2[None, :])
     if CAUSAL or WINDOW or DOCS:
-        pt = _key_mask(pt, keys, key_start, key_end, first * BLOCK_N, window, CAUSAL, WINDOW, DOCS, BLOCK_N,
+        pt = _key_mask(pt, keys, key_start, key_end, (first + lo) * BLOCK_N, window, CAUSAL, WINDOW, DOCS, BLOCK_N,
                        st_layout)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-    dv_tok = warpgroup_mma(pt_op, do_smem.index(0), dv, is_async=True)
+    dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
     dst = pt * (dpt - delta[None, :])
     dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
     ds = gl.convert_layout(dst.to(dtype), op_layout)
 
-    if last > 0:
-        st = _next_scores(k, q_smem, ready, 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
-        for i in range(1, last):
+    if last > lo:
+        st = _next_scores(k, q_smem, ready, lo + 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
+        for i in range(lo + 1, last):
             dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
                                               dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head,
                                               window, qk_scale, CAUSAL, WINDOW, DOCS, True, BLOCK_M, BLOCK_N, STAGES,
@@ -843,14 +860,24 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
     first_key = n0 + CONSUMER * BLOCK_M
     mbarrier.wait(res_ready, 0)
     if first_key < N:
-        _, full_lo, full_hi, _ = _tile_range(first_key, first_key + BLOCK_M - 1, N, window, START, END, CAUSAL,
-                                             WINDOW, DOCS, False, BLOCK_N)
+        lo, full_lo, full_hi, hi = _tile_range(first_key, first_key + BLOCK_M - 1, N, window, START, END, CAUSAL,
+                                               WINDOW, DOCS, False, BLOCK_N)
+        # The program streams the query tiles any of its keys needs; this consumer skips those before and after its
+        # own keys' (released unread). With GQA the stream repeats per query head, and it goes through all of it.
+        lo = lo - first
+        hi = hi - first
+        if GROUP > 1:
+            lo = lo * 0
+            hi = n_tiles + lo
+        _release(ready, empty, 0, lo, STAGES)
         _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                    delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
-                   first_key, first, full_lo - first, full_hi - first, n_tiles, START, END, window, qk_scale, scale,
-                   CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
+                   first_key, first, full_lo - first, full_hi - first, lo, hi, n_tiles, START, END, window, qk_scale,
+                   scale, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
+        n_done = hi
     else:
-        _release(ready, empty, 0, n_tiles, STAGES)
+        n_done = first * 0
+    _release(ready, empty, n_done, n_tiles, STAGES)
 
 
 @gluon.jit

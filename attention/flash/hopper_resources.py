@@ -39,7 +39,8 @@ DESCRIPTOR_ROWS = {
     "dq": dict(q_desc="m", k_desc="n", v_desc="n", do_desc="m", dq_desc="m"),
 }
 KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn_bwd_dq_hopper"}
-ARG_TYPES = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32", "START": "*i32", "END": "*i32"}
+ARG_TYPES = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32", "START": "*i32", "END": "*i32",
+             "ORDER": "*i32"}
 ROW_STATS = ("lse_desc", "delta_desc")  # 1-D fp32 descriptors over L and delta
 
 

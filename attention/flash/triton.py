@@ -68,6 +68,7 @@ _DEFAULT_ACC_REGS = 64
 INTERPRET_TILES = {"fwd": Tiles(32, 16, 4, 1), "dkdv": Tiles(16, 32, 4, 1), "dq": Tiles(32, 16, 4, 1)}
 
 DELTA_BLOCK_M = 64  # the delta pre-pass is memory bound; not tuned
+WORK_ORDER_BLOCK = 64  # work items a program of work_order ranks
 
 _FALLBACK_SMEM_BYTES = 227 * 1024  # Hopper's per-block opt-in limit, if the device cannot be asked
 _MAX_ACC_REGS_PER_THREAD = 128  # fp32 accumulator registers per thread before spills become likely
@@ -460,6 +461,21 @@ def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor) -> tuple[torch.Tensor,
                   (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
                   {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {})
     return out, launch
+
+
+def work_order(starts: torch.Tensor, ends: torch.Tensor, n: int, rows: int, tile: int, causal: bool,
+               window: Optional[int]) -> tuple[torch.Tensor, Launch]:
+    """The (sequence, block) pairs of `rows` query rows, (batch * blocks,) int32 as sequence * blocks + block, by the
+    key tiles of `tile` rows each streams, most first (ties in index order), for documents bounded by starts and
+    ends ((batch, n) int32); and its launch resolved. The Hopper forward's persistent programs take their work items
+    in this order (hopper_kernels._work_item)."""
+    items = starts.shape[0] * _cdiv(n, rows)
+    order = empty((items,), torch.int32, starts.device)
+    launch = _run(_kernels().work_order, (_cdiv(items, WORK_ORDER_BLOCK), 1),
+                  (starts, ends, order, items, n, window or 0), 3,
+                  {"CAUSAL": causal, "WINDOW": window is not None, "ROWS": rows, "TILE": tile,
+                   "BLOCK": WORK_ORDER_BLOCK}, {})
+    return order, launch
 
 
 # ----------------------------------------------------------------------------------------------------------

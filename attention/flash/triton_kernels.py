@@ -326,6 +326,38 @@ def attn_fwd(
 
 
 @triton.jit
+def work_order(START, END, ORDER, ITEMS, N, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
+               TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """ORDER[r] = the work item of rank r, most streamed tiles first, ties in item order (a stable descending sort,
+    by counting). Item i is block i % blocks of ROWS query rows of sequence i // blocks, documents bounded by START
+    and END; its cost, the key tiles of TILE rows it streams (_key_bounds). Each program ranks BLOCK items against
+    all ITEMS."""
+    offs_i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cost_i = _streamed_tiles(offs_i, ITEMS, N, window, START, END, CAUSAL, WINDOW, ROWS, TILE)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, ITEMS, BLOCK):
+        offs_j = j0 + tl.arange(0, BLOCK)
+        cost_j = _streamed_tiles(offs_j, ITEMS, N, window, START, END, CAUSAL, WINDOW, ROWS, TILE)
+        ahead = (cost_j[None, :] > cost_i[:, None]) | ((cost_j[None, :] == cost_i[:, None]) &
+                                                        (offs_j[None, :] < offs_i[:, None]))
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    tl.store(ORDER + rank, offs_i, mask=offs_i < ITEMS)
+
+
+@triton.jit
+def _streamed_tiles(items, ITEMS, N, window, START, END, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    ROWS: tl.constexpr, TILE: tl.constexpr):
+    """Key tiles each item streams, -1 past the last item (ranked after every item)."""
+    valid = items < ITEMS
+    items = tl.where(valid, items, 0)
+    blocks = tl.cdiv(N, ROWS)
+    seq = items // blocks
+    lo, _, _, hi = _key_bounds((items % blocks) * ROWS, N, N, window, START + seq * N, END + seq * N, CAUSAL,
+                               WINDOW, True, ROWS, TILE)
+    return tl.where(valid, (hi - lo + TILE - 1) // TILE, -1)
+
+
+@triton.jit
 def attn_bwd_delta(
     O, DO, DELTA,
     stride_ob, stride_oh, stride_om, stride_od,

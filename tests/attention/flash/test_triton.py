@@ -580,3 +580,34 @@ def test_the_dq_kernel_writes_the_delta_that_dkdv_reads(monkeypatch, h, h_kv, n)
     (_, written), (_, read) = launched
     assert written is read
     torch.testing.assert_close(written.double(), (do.double() * o.double()).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b, n, rows, tile, causal, window", [
+    (1, 1024, 128, 64, True, None), (3, 640, 128, 64, True, 200), (2, 700, 64, 32, False, None),
+    (2, 512, 192, 64, False, 100)], ids=["causal", "causal-window", "documents", "window"])
+def test_work_order_ranks_items_by_the_key_tiles_they_stream(b, n, rows, tile, causal, window):
+    """work_order lists each (sequence, block of `rows` queries) once, by the key tiles the block streams (counted
+    here from the documents' bounds position by position), most first, ties in index order."""
+    from attention.masks import doc_bounds
+
+    doc_ids = random_doc_ids(b, n, 1, 300, seed=n)
+    starts, ends = doc_bounds(doc_ids, (b,), n)
+    order, _ = flash_triton.work_order(starts, ends, n, rows, tile, causal, window)
+    blocks = math.ceil(n / rows)
+    costs = []
+    for seq in range(b):
+        for block in range(blocks):
+            first, last = block * rows, min(block * rows + rows, n) - 1
+            seen = set()
+            for i in range(first, last + 1):  # the keys query i sees
+                lo, hi = int(starts[seq, i]), int(ends[seq, i])
+                if causal:
+                    hi = min(hi, i + 1)
+                if window is not None:
+                    lo = max(lo, i - window + 1)
+                    if not causal:
+                        hi = min(hi, i + window)
+                seen.update(range(lo, hi))
+            costs.append(max(seen) // tile - min(seen) // tile + 1)
+    want = sorted(range(len(costs)), key=lambda item: (-costs[item], item))
+    assert order.dtype == torch.int32 and order.tolist() == want
