@@ -38,11 +38,12 @@ REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
 # few key tiles per row (documents, windows under this many keys) the forward runs persistent: a program per SM takes
 # work items one after another, the next one's loads overlapping the last one's end. Kernel times (CUDA-graph replay)
 # on the H100 at B1 H16 N16384 causal, persistent (64-key tiles) against a program per item and against the Triton
-# forward: documents of mean length 1024 0.214 against 0.451 and 0.241 ms. Windows, d 64, two / three consumers
-# against a program per item: 256 keys 0.095 / 0.109 against 0.201; 512 0.140 / 0.135 against 0.213; 1024 0.230 /
-# 0.210 against 0.273; 2048 0.408 / 0.368 against 0.381; 3072 0.586 / 0.517 against 0.491 (longer rows hide a
-# program's start). d 128: 256 keys 0.128 / 0.151; 1024 0.307 / 0.290 against 0.306. Documents keep two consumers
-# (0.214 against 0.229 with three; with GQA and a window too 0.211 against 0.305).
+# forward: documents of mean length 1024 0.214 against 0.451 and 0.241 ms (0.205 with its items taken longest first,
+# hopper_kernels._work_item). Windows, d 64, two / three consumers against a program per item: 256 keys 0.095 / 0.109
+# against 0.201; 512 0.140 / 0.135 against 0.213; 1024 0.230 / 0.210 against 0.273; 2048 0.408 / 0.368 against 0.381;
+# 3072 0.586 / 0.517 against 0.491 (longer rows hide a program's start). d 128: 256 keys 0.128 / 0.151; 1024 0.307 /
+# 0.290 against 0.306. Documents keep two consumers (0.214 against 0.229 with three; with GQA and a window too 0.211
+# against 0.305).
 PERSISTENT_MAX_WINDOW = 3072
 THREE_CONSUMERS_MIN_WINDOW = 512
 
