@@ -3,7 +3,7 @@
 Imported lazily by triton.py on first use: `triton.jit` decides at decoration time whether a kernel
 runs on the GPU or in the CPU interpreter, so TRITON_INTERPRET must be set before this module loads.
 
-Every kernel sees one (batch, head) slice per program along grid axis 1 and tiles along axis 0.
+Every attention kernel sees one (batch, head) slice per program along grid axis 1 and tiles along axis 0.
 Naming, for all kernels: M indexes queries, N indexes keys, D the head dim (padded to BLOCK_D, a power
 of two; D is the real head dim). Base offsets and row offsets are int64, so tensors beyond 2^31
 elements address correctly. Scores are kept in the base-2 domain: qk_scale = scale * log2(e), so
@@ -320,8 +320,7 @@ def attn_fwd(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Backward: dQ (program per query tile; it writes delta), then dK/dV (program per key tile). No atomics. The delta
-# pre-pass is the Hopper backward's, whose dK/dV and dQ kernels run side by side.
+# The order of the Hopper forward's work items with documents (hopper_kernels._work_item)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -355,6 +354,12 @@ def _streamed_tiles(items, ITEMS, N, window, START, END, CAUSAL: tl.constexpr, W
     lo, _, _, hi = _key_bounds((items % blocks) * ROWS, N, N, window, START + seq * N, END + seq * N, CAUSAL,
                                WINDOW, True, ROWS, TILE)
     return tl.where(valid, (hi - lo + TILE - 1) // TILE, -1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward: dQ (program per query tile; it writes delta), then dK/dV (program per key tile). No atomics. The delta
+# pre-pass is the Hopper backward's, whose dK/dV and dQ kernels run side by side.
+# ----------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
