@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--batch-size sequences, the global batch is N x --batch-size)")
     m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends, comma list (default sdpa)")
     cli.add_weight_grads_flag(m)
+    m.add_argument("--residual", default="fp32", choices=["fp32", "autocast", "both"],
+                   help="ours, under bf16 autocast: the residual stream in fp32 (default), in autocast's dtype "
+                        "(autocast), or a row each way (both)")
     m.add_argument("--fused-rope", nargs="?", const="on", default="on", choices=["on", "off", "both"],
                    help="ours: RoPE and the split of the qkv projection in one Triton kernel each way on CUDA (on), "
                         "in PyTorch ops (off), or a row each way (both)")
@@ -168,6 +171,7 @@ class Point:
                 + (f" fp8={self.fp8}" if self.fp8 != "off" else "")
                 + (f" opt-state={self.optim_state_dtype}" if self.optim_state_dtype != "fp32" else "")
                 + ("" if self.cfg.fp32_weight_grads or self.impl == "hf" else " dW=autocast")
+                + ("" if self.cfg.fp32_residual or self.impl == "hf" else " residual=autocast")
                 + ("" if self.cfg.fused_rope or self.impl == "hf" else " rope=torch"))
 
     @property
@@ -305,18 +309,21 @@ def sweep_points(args: argparse.Namespace) -> list[Point]:
     on_off = {"off": [False], "on": [True], "both": [False, True]}  # --compile and --cuda-graph
     compiles, graphs = on_off[args.compile], on_off[args.cuda_graph]
     overlaps, ropes = on_off[args.overlap_optimizer], on_off[args.fused_rope]
+    fp32_residuals = {"fp32": [True], "autocast": [False], "both": [True, False]}[args.residual]
     # The peer has its own attention (SDPA) and is compiled whole, as a user would: one row per other setting.
     variants = [("ours", attn) for attn in args.attn if "ours" in args.impl] + [("hf", "sdpa")] * ("hf" in args.impl)
     # The overlapped optimizer is ours: the peer keeps its plain AdamW step.
     return [
-        Point(size, replace(args.configs[size], attn=attn, context_length=t, fused_rope=rope), args.batch_size, dtype,
-              comp, mode, "model" if impl == "hf" else args.compile_scope, impl, graph, overlap, fp8, state)
+        Point(size, replace(args.configs[size], attn=attn, context_length=t, fused_rope=rope, fp32_residual=fp32_res),
+              args.batch_size, dtype, comp, mode, "model" if impl == "hf" else args.compile_scope, impl, graph, overlap,
+              fp8, state)
         for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
         for t in args.context_lengths for mode in args.mode for graph in graphs
         for overlap in (overlaps if impl == "ours" else [False])
         for fp8 in (args.fp8 if impl == "ours" else ["off"])
         for state in (args.optim_state_dtype if impl == "ours" else ["fp32"])
         for rope in (ropes if impl == "ours" else [True])
+        for fp32_res in (fp32_residuals if impl == "ours" else [True])
     ]
 
 
@@ -426,7 +433,9 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
                batch_size=point.batch_size, impl=point.impl, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
                mode=point.mode, cuda_graph=point.cuda_graph, overlap_optimizer=point.overlap_optimizer,
                fp8=point.fp8, optim_state_dtype=point.optim_state_dtype,
-               fused_rope=cfg.fused_rope if point.impl == "ours" else None, warmup=args.warmup, steps=args.steps)
+               fused_rope=cfg.fused_rope if point.impl == "ours" else None,
+               fp32_residual=cfg.fp32_residual if point.impl == "ours" else None, warmup=args.warmup,
+               steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
     return row

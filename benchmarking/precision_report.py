@@ -60,8 +60,12 @@ def dtype_rows(model: TransformerLM, precision: str, device: torch.device | str,
              "dtype": ", ".join(sorted(_name(d) for d in params)),
              "why": "the master weights: the optimizer updates them in fp32 whatever the compute dtype"},
             _matmul_row(model, precision)]
+    whys = dict(_WHY)
+    if not model.cfg.fp32_residual and precision != "fp32":
+        whys["blocks.0"] = ("the residual stream: autocast's dtype (--residual autocast casts the embeddings once, "
+                            "then x + sublayer(x) adds two tensors of that dtype)")
     rows += [{"tensor": f"output of {name}", "shape": str(tuple(t.shape)), "dtype": _name(t.dtype), "why": why}
-             for name, why in _WHY.items() for t in [outputs[name]]]
+             for name, why in whys.items() for t in [outputs[name]]]
     rows.append({"tensor": "loss", "shape": "()", "dtype": _name(loss.dtype),
                  "why": "cross-entropy of the logits cast to fp32 (a log-softmax over the vocabulary)"})
     for name in ("embed.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn_norm.weight"):

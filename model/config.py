@@ -29,6 +29,11 @@ class ModelConfig:
     # On CUDA, q, k and v leave the fused projection with RoPE applied in one Triton kernel, and their gradients
     # return in one (model/fused_rope.py); False: in PyTorch ops. Changes no parameter and no value beyond rounding.
     fused_rope: bool = True
+    # Under bf16/fp16 autocast, the residual stream (the embeddings and each block's sums) stays fp32, as autocast
+    # leaves it (nanoGPT's numerics); False: it runs in the autocast dtype, as in a model whose weights are bf16
+    # (Megatron-LM's default, torchtitan's bf16 parameters). Changes no parameter; halves the bytes that each
+    # residual add and RMSNorm moves.
+    fp32_residual: bool = True
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length"):

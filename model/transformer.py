@@ -94,6 +94,9 @@ class TransformerLM(nn.Module):
         if ids.shape[-1] > self.cfg.context_length:
             raise ValueError(f"sequence of {ids.shape[-1]} tokens exceeds context_length {self.cfg.context_length}")
         x = self.embed(ids)
+        device = x.device.type
+        if not self.cfg.fp32_residual and torch.is_autocast_enabled(device):
+            x = x.to(torch.get_autocast_dtype(device))  # then every x + sublayer(x) stays in autocast's dtype
         if doc_ids is not None:
             angles = self.document_rope_angles(doc_ids)
             for block in self.blocks:

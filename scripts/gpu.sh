@@ -26,6 +26,11 @@
 #                steps on the built-in corpus as BPE (prepare_data.py): the plain model, the same with
 #                --pack-documents, with GQA (4 kv heads), windows of 256 (LLLG) and documents, and with a softcap
 #                of 50 too: losses and step times side by side
+#   residual     --residual autocast (the residual stream in bf16) against the fp32 one, in the same run:
+#                  steps  bench_model.py train-step, small (b16 T1024) and large (b4 T1024), bf16's fastest
+#                         configuration (compiled, CUDA graph, bf16 AdamW state overlapped with the backward, fused
+#                         RoPE) with --residual both
+#                  loss   train.py as in train-variants (small, 300 steps of BPE 8192), --residual fp32 then autocast
 #   fp8          float8 training against bf16 in the same run (torchao: on a machine without network access, put
 #                its wheel in ./.wheels):
 #                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), bf16's fastest
@@ -161,11 +166,13 @@ summary_train_steps() {
 }
 
 # --- train-variants --------------------------------------------------------------------------------------------
+BPE_DATA=data/stdlib-bpe8192
+# train.py's short run on BPE: the small model with its defaults (compiled, a CUDA graph), 300 steps
+SMALL_300=(--size small --attn flash --dtype bf16 --data "$BPE_DATA" --steps 300 --warmup-steps 30 --log-every 25
+           --eval-every 100 --eval-batches 10 --no-checkpoint --wandb disabled)
 step_train_variants() {
-    local dir="$OUT/train-variants" data=data/stdlib-bpe8192
-    local common=(--size small --attn flash --dtype bf16 --data "$data" --steps 300 --warmup-steps 30 --log-every 25
-                  --eval-every 100 --eval-batches 10 --no-checkpoint --wandb disabled)
-    run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$data" || return
+    local dir="$OUT/train-variants" common=("${SMALL_300[@]}")
+    run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$BPE_DATA" || return
     run "$dir/plain.log" 240 "$PY" train.py "${common[@]}" --out "$dir/plain"
     run "$dir/packed.log" 240 "$PY" train.py "${common[@]}" --pack-documents --out "$dir/packed"
     run "$dir/variants.log" 240 "$PY" train.py "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 \
@@ -177,6 +184,36 @@ step_train_variants() {
 summary_train_variants() {
     echo "## train-variants: small, bf16, flash ($OUT/train-variants/*/metrics.jsonl)"
     summarize train-variants "$OUT/train-variants" plain packed variants softcap
+}
+
+# --- residual --------------------------------------------------------------------------------------------------
+step_residual() {
+    local part size residual dir="$OUT/residual"
+    for part in $(parts "$1" steps loss); do
+        case $part in
+            steps)
+                for size in small large; do
+                    # shellcheck disable=SC2046
+                    run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
+                        --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash \
+                        --cuda-graph on --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on \
+                        --residual both --out "$dir/steps-$size"
+                done ;;
+            loss)
+                run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$BPE_DATA" || continue
+                for residual in fp32 autocast; do
+                    run "$dir/loss-$residual.log" 240 "$PY" train.py "${SMALL_300[@]}" --residual "$residual" \
+                        --out "$dir/loss-$residual"
+                done ;;
+            *) echo "unknown part residual:$part (steps, loss)"; STATUS=1 ;;
+        esac
+    done
+    SUMMARIES+=(summary_residual)
+}
+summary_residual() {
+    echo "## residual: bf16, compiled, CUDA graph ($OUT/residual/steps-*/results.json, loss-*/metrics.jsonl)"
+    summarize train-steps "$OUT"/residual/steps-*/results.json
+    summarize train-variants "$OUT/residual" loss-fp32 loss-autocast
 }
 
 # --- fp8 -------------------------------------------------------------------------------------------------------
@@ -345,6 +382,7 @@ elif kind == "train-steps":
             ms = f"{fmt(r.get('total_ms_mean'), '.2f')} ± {fmt(r.get('total_ms_std'), '.2f')}"
             mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
             adamw += f" fp8={r['fp8']}" if r.get("fp8") not in (None, "off") else ""
+            adamw += " residual=autocast" if r.get("fp32_residual") is False else ""
             print(f"{r['size']:<6} {r['impl']:<5} {r['attn']:<6} {adamw:<10} {ms:>16}"
                   f" {fmt(r.get('tokens_per_s'), ',.0f'):>9} {mfu:>6} {fmt(r.get('peak_mem_gib'), '.2f'):>6}"
                   f"  {r['status']}")
@@ -400,8 +438,9 @@ for arg in "$@"; do
     case $arg in
         -n|--dry-run) DRY_RUN=1 ;;
         -h|--help) usage; exit 0 ;;
-        tests*|attention*|train-steps*|train-variants|fp8*|profile*|distributed*) steps+=("$arg") ;;
-        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants fp8 profile distributed" \
+        tests*|attention*|train-steps*|train-variants|residual*|fp8*|profile*|distributed*) steps+=("$arg") ;;
+        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants residual fp8 profile" \
+                "distributed" \
                 "(--help)" >&2
            exit 2 ;;
     esac
@@ -412,7 +451,7 @@ mkdir -p "$OUT"
 if [ -d .wheels ] && [ "$DRY_RUN" = 0 ]; then  # what the GPU image lacks, without network access
     wheels=(einx wandb)
     [[ " ${steps[*]}" == *" train-steps"* ]] && wheels+=(transformers)
-    [[ " ${steps[*]}" == *" train-variants"* ]] && wheels+=(tokenizers)
+    [[ " ${steps[*]}" == *" train-variants"* || " ${steps[*]}" == *" residual"* ]] && wheels+=(tokenizers)
     [[ " ${steps[*]}" == *" fp8"* ]] && wheels+=(torchao)
     "$PY" -m pip install -q --no-index --find-links .wheels "${wheels[@]}" || echo "warning: installing ${wheels[*]} from .wheels failed"
 fi

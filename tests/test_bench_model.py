@@ -176,15 +176,21 @@ def test_weight_grads_flag_reaches_every_config_and_the_label():
     assert not any(p.cfg.fp32_weight_grads for p in plain) and plain[0].label.endswith(" dW=autocast")
 
 
-def test_fused_rope_flag_reaches_every_config_and_the_label():
-    default = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small"]))
-    assert all(p.cfg.fused_rope for p in default) and "rope=" not in default[0].label
-    plain = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", "--fused-rope", "off"]))
-    assert not any(p.cfg.fused_rope for p in plain) and plain[0].label.endswith(" rope=torch")
-    both = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", "--impl", "ours,hf",
-                                                            "--fused-rope", "both"]))
-    ours, peer = [p.cfg.fused_rope for p in both if p.impl == "ours"], [p.cfg.fused_rope for p in both if p.impl == "hf"]
-    assert ours == [False, True] * len(peer) and all(peer)  # ours: a row each way; the peer: one
+@pytest.mark.parametrize("flag, other, field, label", [("--fused-rope", "off", "fused_rope", " rope=torch"),
+                                                       ("--residual", "autocast", "fp32_residual", " residual=autocast")])
+def test_model_option_flags_reach_every_config_and_the_label(flag, other, field, label):
+    def points(*argv):
+        return bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", *argv]))
+
+    default = points()
+    assert all(getattr(p.cfg, field) for p in default) and label.split("=")[0] + "=" not in default[0].label
+    changed = points(flag, other)
+    assert not any(getattr(p.cfg, field) for p in changed) and changed[0].label.endswith(label)
+    both = points(flag, "both", "--impl", "ours,hf")
+    ours = [getattr(p.cfg, field) for p in both if p.impl == "ours"]
+    peer = [getattr(p.cfg, field) for p in both if p.impl == "hf"]
+    # ours: a row each way; the peer: one, with the default
+    assert sorted(ours) == [False] * len(peer) + [True] * len(peer) and all(peer)
 
 
 def test_overlap_optimizer_both_gives_ours_a_row_each_way_and_the_peer_one(tmp_path):

@@ -44,6 +44,13 @@ def add_weight_grads_flag(group: argparse._ArgumentGroup) -> None:
                             "(default) or as plain autocast does (low dtype, then cast)")
 
 
+def add_residual_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--residual", choices=["fp32", "autocast"], default="fp32",
+                       help="under bf16/fp16 autocast, the residual stream in fp32 (default, as autocast leaves it) "
+                            "or in autocast's dtype (as a model with bf16 weights runs it): half the bytes for each "
+                            "residual add and RMSNorm")
+
+
 def add_fused_rope_flag(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--fused-rope", choices=["on", "off"], default="on",
                        help="on CUDA, RoPE and the split of the qkv projection into heads in one Triton kernel each "

@@ -18,16 +18,26 @@ def table(rows):
     return {r["tensor"]: r["dtype"] for r in rows}
 
 
+RESIDUAL = {"output of blocks.0.attn_norm", "output of blocks.0.ffn_norm", "output of blocks.0",
+            "output of final_norm"}
+
+
 @pytest.mark.parametrize("precision, low", [("fp32", "float32"), ("bf16", "bfloat16")])
-@pytest.mark.parametrize("fp32_weight_grads", [True, False])
-def test_dtypes_match_the_tensors_of_a_training_step(precision, low, fp32_weight_grads):
+@pytest.mark.parametrize("fp32_weight_grads, fp32_residual", [(True, True), (False, True), (True, False)],
+                         ids=["defaults", "dW-autocast", "residual-autocast"])
+def test_dtypes_match_the_tensors_of_a_training_step(precision, low, fp32_weight_grads, fp32_residual):
     torch.manual_seed(0)
-    model = TransformerLM(ModelConfig(**CFG, fp32_weight_grads=fp32_weight_grads))
+    model = TransformerLM(ModelConfig(**CFG, fp32_weight_grads=fp32_weight_grads, fp32_residual=fp32_residual))
     rows = dtype_rows(model, precision, "cpu")
     dtypes = table(rows)
+    # Matmuls in autocast's dtype; the residual stream and its norms in fp32 unless --residual autocast; the rest
+    # (embedding lookup, parameters, loss, gradients) fp32.
+    in_low = LOW | (set() if fp32_residual else RESIDUAL)
     for name, dtype in dtypes.items():
-        want = low if name in LOW else "float32"  # matmuls in autocast's dtype; the rest, the residual, fp32
+        want = low if name in in_low else "float32"
         assert dtype == want, (name, dtype)
+    why = {r["tensor"]: r["why"] for r in rows}["output of blocks.0"]
+    assert ("--residual autocast" in why) == (precision == "bf16" and not fp32_residual)
     # Against the tensors themselves, outside the report.
     ids = torch.randint(0, 97, (2, 9))
     with autocast(torch.device("cpu"), precision):

@@ -79,6 +79,36 @@ def test_targets_give_the_mean_cross_entropy_of_the_logits():
         assert model(ids, targets).dtype == torch.float32
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents"])
+def test_residual_in_the_autocast_dtype_rounds_only_the_residual_stream(packed):
+    """--residual autocast: the blocks take and return bf16 under bf16 autocast, and the loss and gradients stay
+    those of the fp32 residual up to bf16 rounding; without autocast it changes nothing, bit for bit."""
+    torch.manual_seed(0)
+    fp32_model = TransformerLM(ModelConfig(**TINY))
+    low_model = TransformerLM(ModelConfig(**TINY, fp32_residual=False))
+    low_model.load_state_dict(fp32_model.state_dict())
+    ids, targets = torch.randint(0, 97, (3, 24)), torch.randint(0, 97, (3, 24))
+    doc_ids = torch.randint(0, 3, (3, 24)).sort(dim=-1).values if packed else None
+    torch.testing.assert_close(low_model(ids, targets, doc_ids=doc_ids), fp32_model(ids, targets, doc_ids=doc_ids),
+                               rtol=0, atol=0)
+
+    seen = []
+    low_model.blocks[1].register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    losses, grads = [], []
+    for model in (fp32_model, low_model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, targets, doc_ids=doc_ids)
+        loss.backward()
+        losses.append(loss)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert losses[1].dtype == torch.float32
+    # The two differ by the rounding of the residual stream to bf16 (8 mantissa bits), not by more.
+    assert not torch.equal(losses[0], losses[1])
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-3, atol=0)
+    assert F.cosine_similarity(grads[0], grads[1], dim=0) > 0.999
+
+
 def test_sequence_longer_than_context_is_rejected():
     model = TransformerLM(ModelConfig(**TINY))
     with pytest.raises(ValueError, match="exceeds context_length 24"):
