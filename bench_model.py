@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fused-rope", nargs="?", const="on", default="on", choices=["on", "off", "both"],
                    help="ours: RoPE and the split of the qkv projection in one Triton kernel each way on CUDA (on), "
                         "in PyTorch ops (off), or a row each way (both)")
+    m.add_argument("--fused-gate-up", nargs="?", const="on", default="on", choices=["on", "off", "both"],
+                   help="ours, under bf16 autocast: SwiGLU's w1 and w3 as one matmul against their concatenated "
+                        "weights (on), as two (off), or a row each way (both)")
     m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast), comma list")
     m.add_argument("--impl", nargs="+", default=["ours"],
                    help=f"{', '.join(IMPLS)}; comma list (default ours). hf is the peer, transformers' Llama "
@@ -172,7 +175,8 @@ class Point:
                 + (f" opt-state={self.optim_state_dtype}" if self.optim_state_dtype != "fp32" else "")
                 + ("" if self.cfg.fp32_weight_grads or self.impl == "hf" else " dW=autocast")
                 + ("" if self.cfg.fp32_residual or self.impl == "hf" else " residual=autocast")
-                + ("" if self.cfg.fused_rope or self.impl == "hf" else " rope=torch"))
+                + ("" if self.cfg.fused_rope or self.impl == "hf" else " rope=torch")
+                + ("" if self.cfg.fused_gate_up or self.impl == "hf" else " gate-up=apart"))
 
     @property
     def slug(self) -> str:
@@ -308,13 +312,14 @@ def sweep_points(args: argparse.Namespace) -> list[Point]:
     settings."""
     on_off = {"off": [False], "on": [True], "both": [False, True]}  # --compile and --cuda-graph
     compiles, graphs = on_off[args.compile], on_off[args.cuda_graph]
-    overlaps, ropes = on_off[args.overlap_optimizer], on_off[args.fused_rope]
+    overlaps, ropes, gate_ups = on_off[args.overlap_optimizer], on_off[args.fused_rope], on_off[args.fused_gate_up]
     fp32_residuals = {"fp32": [True], "autocast": [False], "both": [True, False]}[args.residual]
     # The peer has its own attention (SDPA) and is compiled whole, as a user would: one row per other setting.
     variants = [("ours", attn) for attn in args.attn if "ours" in args.impl] + [("hf", "sdpa")] * ("hf" in args.impl)
     # The overlapped optimizer is ours: the peer keeps its plain AdamW step.
     return [
-        Point(size, replace(args.configs[size], attn=attn, context_length=t, fused_rope=rope, fp32_residual=fp32_res),
+        Point(size, replace(args.configs[size], attn=attn, context_length=t, fused_rope=rope, fp32_residual=fp32_res,
+                            fused_gate_up=gate_up),
               args.batch_size, dtype, comp, mode, "model" if impl == "hf" else args.compile_scope, impl, graph, overlap,
               fp8, state)
         for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
@@ -324,6 +329,7 @@ def sweep_points(args: argparse.Namespace) -> list[Point]:
         for state in (args.optim_state_dtype if impl == "ours" else ["fp32"])
         for rope in (ropes if impl == "ours" else [True])
         for fp32_res in (fp32_residuals if impl == "ours" else [True])
+        for gate_up in (gate_ups if impl == "ours" else [True])
     ]
 
 
@@ -434,7 +440,8 @@ def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
                mode=point.mode, cuda_graph=point.cuda_graph, overlap_optimizer=point.overlap_optimizer,
                fp8=point.fp8, optim_state_dtype=point.optim_state_dtype,
                fused_rope=cfg.fused_rope if point.impl == "ours" else None,
-               fp32_residual=cfg.fp32_residual if point.impl == "ours" else None, warmup=args.warmup,
+               fp32_residual=cfg.fp32_residual if point.impl == "ours" else None,
+               fused_gate_up=cfg.fused_gate_up if point.impl == "ours" else None, warmup=args.warmup,
                steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)

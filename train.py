@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_weight_grads_flag(m)
     cli.add_residual_flag(m)
     cli.add_fused_rope_flag(m)
+    cli.add_fused_gate_up_flag(m)
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
     o.add_argument("--steps", type=int, default=1000, help="optimizer steps in total")
@@ -177,7 +178,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
         return config_for(args.size, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                           d_ff=args.d_ff, vocab_size=vocab_size, context_length=args.context_length, attn=args.attn,
                           fp32_weight_grads=args.weight_grads == "fp32", fused_rope=args.fused_rope == "on",
-                          fp32_residual=args.residual == "fp32",
+                          fp32_residual=args.residual == "fp32", fused_gate_up=args.fused_gate_up == "on",
                           n_kv_heads=args.n_kv_heads, window=args.window,
                           window_pattern=args.window_pattern, attn_softcap=args.attn_softcap)
     except ValueError as e:

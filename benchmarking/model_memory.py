@@ -126,6 +126,17 @@ def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device
         sec.add("softmax logsumexp (fp32)", 4 * B * h * T, "B*h*T*4")
     sec.add("residual after attention (fp32; FFN RMSNorm input)", 4 * btd, "B*T*d*4")
     sec.add("FFN RMSNorm: x*rsqrt (fp32) and rsqrt", 4 * btd + 4 * B * T, "B*T*d*4 + B*T*4")
+    if a == BF16 and cfg.fused_gate_up and cfg.fp32_weight_grads:
+        # One matmul for w1 and w3 (model.layers.SwiGLU): one bf16 cast of its input. On CUDA the activation's kernel
+        # (model.fused_swiglu) saves the projection alone and recomputes silu in its backward.
+        sec.add("w1/w3 input (RMSNorm output, one bf16 cast for their fused matmul)", a * btd, f"B*T*d*{a_name}")
+        if device_type == "cuda":
+            sec.add("SwiGLU gate/up projection (w1 x, w3 x), silu*w3 (w2 input)", 3 * a * B * T * f,
+                    f"3*B*T*d_ff*{a_name}")
+        else:
+            sec.add("SwiGLU gate/up projection (w1 x, w3 x), silu(w1 x), silu*w3 (w2 input)", 4 * a * B * T * f,
+                    f"4*B*T*d_ff*{a_name}")
+        return sec
     # Autocast casts the (fp32) norm output once per matmul, so w1 and w3 each keep their own bf16 copy.
     copies = 2 if a == BF16 else 1
     sec.add("w1/w3 input (RMSNorm output" + (", one bf16 cast each)" if a == BF16 else ")"), copies * a * btd,

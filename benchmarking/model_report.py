@@ -44,6 +44,8 @@ COLUMNS: dict[str, str] = {
                   "PyTorch ops (false); empty for the peer",
     "fp32_residual": "ours: under bf16 autocast, the residual stream in fp32 (model.fp32_residual; true) or in bf16 "
                      "(false, --residual autocast); empty for the peer",
+    "fused_gate_up": "ours: under bf16 autocast, SwiGLU's w1 and w3 as one matmul (model.fused_gate_up; true) or two "
+                     "(false, --fused-gate-up off); empty for the peer",
     "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
     **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
        for p in PHASES for s in ("mean", "std")},
@@ -95,12 +97,13 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         d["mfu_pct"] = None if r.get("mfu") is None else 100 * r["mfu"]
         d["rope"] = {True: "fused", False: "torch"}.get(r.get("fused_rope"))
         d["residual"] = {True: "fp32", False: "autocast"}.get(r.get("fp32_residual"))
+        d["gate_up"] = {True: "fused", False: "apart"}.get(r.get("fused_gate_up"))
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
         shown.append(d)
     columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn",
                "dtype": "dtype", "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph",
                "overlap_optimizer": "opt overlap", "fp8": "fp8", "optim_state_dtype": "AdamW state", "rope": "RoPE",
-               "residual": "residual", "forward": "forward ms", "backward": "backward ms",
+               "residual": "residual", "gate_up": "w1, w3", "forward": "forward ms", "backward": "backward ms",
                "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
@@ -143,8 +146,9 @@ def variant(row: dict[str, Any]) -> str:
     state = f" opt-state={row['optim_state_dtype']}" if row.get("optim_state_dtype") not in (None, "fp32") else ""
     rope = " rope=torch" if row.get("fused_rope") is False else ""
     residual = " residual=autocast" if row.get("fp32_residual") is False else ""
+    gate_up = " gate-up=apart" if row.get("fused_gate_up") is False else ""
     return (f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}{fp8}"
-            f"{state}{rope}{residual}")
+            f"{state}{rope}{residual}{gate_up}")
 
 
 def variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

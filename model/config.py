@@ -34,6 +34,10 @@ class ModelConfig:
     # (Megatron-LM's default, torchtitan's bf16 parameters). Changes no parameter; halves the bytes that each
     # residual add and RMSNorm moves.
     fp32_residual: bool = True
+    # Where Linear weight gradients are fp32 (above) under bf16/fp16 autocast, SwiGLU's w1 and w3 run as one matmul
+    # against their concatenated weights, forward and backward (model/layers.py); False: two. Changes no parameter
+    # and no value beyond rounding.
+    fused_gate_up: bool = True
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length"):

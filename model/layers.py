@@ -9,6 +9,8 @@ import einx
 import torch
 from torch import nn
 
+from model.fused_swiglu import silu_mul
+
 
 class _LowPrecisionLinear(torch.autograd.Function):
     """x W^T in a low dtype (bf16 or fp16) with the weight gradient accumulated and written in fp32 by its matmul.
@@ -16,16 +18,23 @@ class _LowPrecisionLinear(torch.autograd.Function):
     Autocast's linear returns dW in the low dtype, and autograd then casts it to the fp32 parameter: a rounding of
     dW to 8 mantissa bits (bf16) and a cast kernel per weight. Here the matmul writes fp32 (`torch.mm(out_dtype=)`,
     CUDA): on the H100 the five Linears of a `large` block ran 4.9% less GPU time, with dW 600x closer to fp64.
-    Forward and dX are autocast's: the same low-dtype matmuls. `weight_copy`, when given, is the weight already in
-    `dtype` (Linear.keep_weight_copy), read instead of casting the weight again.
+    Forward and dX are autocast's: the same low-dtype matmuls.
+
+    Several weights with the same d_in are one matmul against their concatenation (the output features of each in
+    turn): one dX matmul and one dW matmul for all, dW split back into a view per weight. `weight_copy`, when given,
+    is that (concatenated) weight already in `dtype` (Linear.keep_weight_copy), read instead of casting again.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
-                weight_copy: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x_low, w_low = x.to(dtype), (weight.to(dtype) if weight_copy is None else weight_copy)
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype, weight_copy: Optional[torch.Tensor],
+                *weights: torch.Tensor) -> torch.Tensor:
+        x_low = x.to(dtype)
+        if weight_copy is not None:
+            w_low = weight_copy
+        else:
+            w_low = weights[0].to(dtype) if len(weights) == 1 else torch.cat([w.to(dtype) for w in weights])
         ctx.save_for_backward(x_low, w_low)
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.rows = x.dtype, [w.shape[0] for w in weights]
         return nn.functional.linear(x_low, w_low)
 
     @staticmethod
@@ -41,7 +50,23 @@ class _LowPrecisionLinear(torch.autograd.Function):
                 grad_w = torch.mm(grad_2d, x_2d, out_dtype=torch.float32)
             else:  # mm has no out_dtype kernel on the CPU; products of low-dtype values are exact in fp32
                 grad_w = torch.mm(grad_2d.float(), x_2d.float())
-        return grad_x, grad_w, None, None
+        return grad_x, None, None, *grad_w.split(ctx.rows)
+
+
+def low_precision_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                         weight_copy: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x times the fp32 `weights` concatenated by output feature, (..., sum of d_out), in autocast's low dtype with
+    fp32 weight gradients (_LowPrecisionLinear); None where that path does not apply (no bf16/fp16 autocast on x's
+    device, or weights not fp32): the caller then runs the plain matmul."""
+    device = x.device.type
+    if not (torch.is_autocast_enabled(device) and all(w.dtype == torch.float32 for w in weights)):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if weight_copy is not None and weight_copy.dtype != dtype:
+        weight_copy = None
+    return _LowPrecisionLinear.apply(x, dtype, weight_copy, *weights)
 
 
 class Linear(nn.Module):
@@ -58,14 +83,21 @@ class Linear(nn.Module):
         self.weight_copy: Optional[torch.Tensor] = None  # keep_weight_copy's
         self.reset_parameters()
 
-    def keep_weight_copy(self, dtype: torch.dtype) -> torch.Tensor:
+    def keep_weight_copy(self, dtype: torch.dtype, storage: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A `dtype` copy of the weight that the autocast forward of that dtype reads instead of casting the weight
         in each call; returned for the optimizer, which must rewrite it whenever it updates the weight
-        (training/adamw.py). Loading a state dict into this layer (or a module holding it) refreshes it."""
+        (training/adamw.py). Loading a state dict into this layer (or a module holding it) refreshes it.
+        storage: where the copy lives (the weight's shape, `dtype`), e.g. part of a tensor a fused matmul reads."""
         if not (self.fp32_weight_grad and self.weight.dtype == torch.float32):
             raise ValueError("a weight copy is read by the fp32-weight-gradient path only: this layer has "
                              f"fp32_weight_grad={self.fp32_weight_grad} and a {self.weight.dtype} weight")
-        self.weight_copy = self.weight.detach().to(dtype)
+        if storage is None:
+            self.weight_copy = self.weight.detach().to(dtype)
+        elif storage.shape != self.weight.shape or storage.dtype != dtype:
+            raise ValueError(f"a weight copy of {tuple(self.weight.shape)} in {dtype} cannot live in a "
+                             f"{tuple(storage.shape)} {storage.dtype} tensor")
+        else:
+            self.weight_copy = storage.copy_(self.weight.detach())
         if not hasattr(self, "_copy_refresh"):
             self._copy_refresh = self.register_load_state_dict_post_hook(Linear._refresh_weight_copy)
         return self.weight_copy
@@ -81,12 +113,10 @@ class Linear(nn.Module):
         nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        if self.fp32_weight_grad and self.weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            if dtype in (torch.bfloat16, torch.float16):
-                copy = self.weight_copy if self.weight_copy is not None and self.weight_copy.dtype == dtype else None
-                return _LowPrecisionLinear.apply(x, self.weight, dtype, copy)
+        if self.fp32_weight_grad:
+            y = low_precision_linear(x, (self.weight,), self.weight_copy)
+            if y is not None:
+                return y
         return nn.functional.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -123,16 +153,47 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x)."""
+    """w2(silu(w1 x) * w3 x).
 
-    def __init__(self, d_model: int, d_ff: int, fp32_weight_grad: bool = True):
+    fused_gate_up: where w1 and w3 take the fp32-weight-gradient path (bf16/fp16 autocast), they run as one matmul
+    against their two weights concatenated, and so do their dX and dW matmuls; the parameters stay w1 and w3, and
+    each gets its own (view of the) gradient. One dX matmul also sums the two branches' input gradients in its
+    accumulator rather than in a pass over both.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, fp32_weight_grad: bool = True, fused_gate_up: bool = True):
         super().__init__()
         self.w1 = Linear(d_model, d_ff, fp32_weight_grad)
         self.w2 = Linear(d_ff, d_model, fp32_weight_grad)
         self.w3 = Linear(d_model, d_ff, fp32_weight_grad)
+        self.fused_gate_up = fused_gate_up
+        self.gate_up_copy: Optional[torch.Tensor] = None  # keep_weight_copies': w1's and w3's copies, (2 d_ff, d_model)
+
+    def keep_weight_copies(self, dtype: torch.dtype) -> dict[nn.Parameter, torch.Tensor]:
+        """Linear.keep_weight_copy of w1, w2 and w3, {weight: copy}; those of w1 and w3 are the two halves of one
+        tensor, which the fused matmul reads whole."""
+        d_ff, d_model = self.w1.weight.shape
+        both = torch.empty(2 * d_ff, d_model, dtype=dtype, device=self.w1.weight.device)
+        copies = {self.w1.weight: self.w1.keep_weight_copy(dtype, both[:d_ff]),
+                  self.w3.weight: self.w3.keep_weight_copy(dtype, both[d_ff:]),
+                  self.w2.weight: self.w2.keep_weight_copy(dtype)}
+        self.gate_up_copy = both
+        return copies
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        gate_up = self._gate_up(x)
+        if gate_up is None:
+            return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        return self.w2(silu_mul(gate_up))
+
+    def _gate_up(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """(w1 x, w3 x) side by side, (..., 2 d_ff), from one matmul; None where the two run apart (not fused, not
+        the fp32-weight-gradient path, or layers replaced, as by float8 training)."""
+        w1, w3 = self.w1, self.w3
+        if not (self.fused_gate_up and type(w1) is Linear and type(w3) is Linear
+                and w1.fp32_weight_grad and w3.fp32_weight_grad):
+            return None
+        return low_precision_linear(x, (w1.weight, w3.weight), self.gate_up_copy)
 
 
 class RotaryEmbedding(nn.Module):

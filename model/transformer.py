@@ -66,7 +66,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg, rope, cfg.layer_window(layer))
         self.ffn_norm = RMSNorm(cfg.d_model)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.fp32_weight_grads)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.fp32_weight_grads, cfg.fused_gate_up)
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, doc_ids: Optional[torch.Tensor] = None,
                 rope_angles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:

@@ -31,6 +31,10 @@
 #                         configuration (compiled, CUDA graph, bf16 AdamW state overlapped with the backward, fused
 #                         RoPE) with --residual both
 #                  loss   train.py as in train-variants (small, 300 steps of BPE 8192), --residual fp32 then autocast
+#   gate-up      SwiGLU's w1 and w3 as one matmul (--fused-gate-up, the default) against two, in the same run:
+#                bench_model.py train-step, bf16's fastest configuration (compiled, CUDA graph, bf16 AdamW state
+#                overlapped with the backward, fused RoPE, --residual autocast) with --fused-gate-up both. Parts:
+#                small (b16 T1024), large (b4 T1024), 2.7B (b4 T512)
 #   fp8          float8 training against bf16 in the same run (torchao: on a machine without network access, put
 #                its wheel in ./.wheels):
 #                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), bf16's fastest
@@ -136,6 +140,24 @@ step_attention() {
 summary_attention() {
     echo "## attention: ms, bf16 ($OUT/attention/*/results.json)"
     summarize attention "$OUT"/attention/*/results.json
+}
+
+# --- gate-up ---------------------------------------------------------------------------------------------------
+step_gate_up() {
+    local size
+    for size in $(parts "$1" small large 2.7B); do
+        shape "$size" > /dev/null || { echo "unknown part gate-up:$size (small, large, 2.7B)"; STATUS=1; continue; }
+        # shellcheck disable=SC2046
+        run "$OUT/gate-up/$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
+            --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash --cuda-graph on \
+            --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on --residual autocast --fused-gate-up both \
+            --out "$OUT/gate-up/$size"
+    done
+    SUMMARIES+=(summary_gate_up)
+}
+summary_gate_up() {
+    echo "## gate-up: bf16, compiled, CUDA graph, --residual autocast ($OUT/gate-up/*/results.json)"
+    summarize train-steps "$OUT"/gate-up/*/results.json
 }
 
 # --- train-steps -----------------------------------------------------------------------------------------------
@@ -383,6 +405,7 @@ elif kind == "train-steps":
             mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
             adamw += f" fp8={r['fp8']}" if r.get("fp8") not in (None, "off") else ""
             adamw += " residual=autocast" if r.get("fp32_residual") is False else ""
+            adamw += " gate-up=apart" if r.get("fused_gate_up") is False else ""
             print(f"{r['size']:<6} {r['impl']:<5} {r['attn']:<6} {adamw:<10} {ms:>16}"
                   f" {fmt(r.get('tokens_per_s'), ',.0f'):>9} {mfu:>6} {fmt(r.get('peak_mem_gib'), '.2f'):>6}"
                   f"  {r['status']}")
@@ -438,8 +461,8 @@ for arg in "$@"; do
     case $arg in
         -n|--dry-run) DRY_RUN=1 ;;
         -h|--help) usage; exit 0 ;;
-        tests*|attention*|train-steps*|train-variants|residual*|fp8*|profile*|distributed*) steps+=("$arg") ;;
-        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants residual fp8 profile" \
+        tests*|attention*|train-steps*|train-variants|residual*|gate-up*|fp8*|profile*|distributed*) steps+=("$arg") ;;
+        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants residual gate-up fp8 profile" \
                 "distributed" \
                 "(--help)" >&2
            exit 2 ;;

@@ -177,7 +177,8 @@ def test_weight_grads_flag_reaches_every_config_and_the_label():
 
 
 @pytest.mark.parametrize("flag, other, field, label", [("--fused-rope", "off", "fused_rope", " rope=torch"),
-                                                       ("--residual", "autocast", "fp32_residual", " residual=autocast")])
+                                                       ("--residual", "autocast", "fp32_residual", " residual=autocast"),
+                                                       ("--fused-gate-up", "off", "fused_gate_up", " gate-up=apart")])
 def test_model_option_flags_reach_every_config_and_the_label(flag, other, field, label):
     def points(*argv):
         return bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", *argv]))

@@ -163,22 +163,22 @@ def test_resume_with_another_model_is_refused(tmp_path, text_file, capsys):
     assert "was written for another model" in capsys.readouterr().err
 
 
-def test_resume_takes_an_older_checkpoint_and_another_weight_grad_rope_and_residual_mode(tmp_path, text_file):
-    # A checkpoint written before fp32_weight_grads, fused_rope and fp32_residual existed lacks them; none changes a
-    # parameter, so a resume may also pick the other mode.
+def test_resume_takes_an_older_checkpoint_and_another_weight_grad_rope_residual_and_gate_up_mode(tmp_path, text_file):
+    # A checkpoint written before fp32_weight_grads, fused_rope, fp32_residual and fused_gate_up existed lacks them;
+    # none changes a parameter, so a resume may also pick the other mode.
     code, _, out = run(tmp_path, text_file, "--steps", "2")
     assert code == 0
     state = checkpoint.load(out / "checkpoint-2.pt")
-    for field in ("fp32_weight_grads", "fused_rope", "fp32_residual"):
+    fields = ("fp32_weight_grads", "fused_rope", "fp32_residual", "fused_gate_up")
+    for field in fields:
         del state["model_config"][field]
     checkpoint.save_atomic(state, out / "checkpoint-2.pt")
     argv = [*TINY, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume", "--steps", "3",
-            "--weight-grads", "autocast", "--fused-rope", "off", "--residual", "autocast"]
+            "--weight-grads", "autocast", "--fused-rope", "off", "--residual", "autocast", "--fused-gate-up", "off"]
     assert train.main(argv) == 0
     resumed = checkpoint.load(out / "checkpoint-3.pt")
     assert resumed["step"] == 3
-    assert {field: resumed["model_config"][field] for field in ("fp32_weight_grads", "fused_rope", "fp32_residual")} \
-        == {"fp32_weight_grads": False, "fused_rope": False, "fp32_residual": False}
+    assert {field: resumed["model_config"][field] for field in fields} == dict.fromkeys(fields, False)
 
 
 @pytest.mark.parametrize("scope, compiled, graphs", [("blocks", 2 + 1, 2 * 2), ("model", 1, 1 * 2)],

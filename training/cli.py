@@ -57,6 +57,12 @@ def add_fused_rope_flag(group: argparse._ArgumentGroup) -> None:
                             "way (default on; off: PyTorch ops, which torch.compile fuses into three)")
 
 
+def add_fused_gate_up_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--fused-gate-up", choices=["on", "off"], default="on",
+                       help="under bf16/fp16 autocast with fp32 weight gradients, SwiGLU's w1 and w3 as one matmul "
+                            "against their concatenated weights, forward and backward (default on; off: two)")
+
+
 def add_compile_scope_flag(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                        help="what --compile compiles: blocks (each block, all reusing one graph, so compile time does "

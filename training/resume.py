@@ -98,10 +98,11 @@ def load_checkpoint(out: Path, model: torch.nn.Module, optimizer, scaler: torch.
     asked = cfg.to_dict()
     # A checkpoint from before a field existed lacks it: it was written by a model with that field's default (not
     # with what is asked now, which may be a window the old model never had). fp32_weight_grads changes how dW is
-    # computed, attn which kernel computes attention, fused_rope which computes RoPE and fp32_residual the dtype of
-    # the residual stream under autocast, none what the model is.
+    # computed, attn which kernel computes attention, fused_rope which computes RoPE, fp32_residual the dtype of
+    # the residual stream under autocast and fused_gate_up how many matmuls run w1 and w3, none what the model is.
     saved = {**ModelConfig().to_dict(), **state["model_config"], "fp32_weight_grads": cfg.fp32_weight_grads,
-             "attn": cfg.attn, "fused_rope": cfg.fused_rope, "fp32_residual": cfg.fp32_residual}
+             "attn": cfg.attn, "fused_rope": cfg.fused_rope, "fp32_residual": cfg.fp32_residual,
+             "fused_gate_up": cfg.fused_gate_up}
     if saved != asked:
         diff = {k: (v, asked.get(k)) for k, v in saved.items() if asked.get(k) != v}
         raise ResumeError(f"checkpoint {path} was written for another model: (saved, asked) {diff}")

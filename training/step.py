@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from model.layers import Linear
+from model.layers import Linear, SwiGLU
 from training import distributed, fp8
 from training.activation_checkpointing import checkpoint_blocks
 from training.adamw import AdamW
@@ -78,8 +78,17 @@ def keep_weight_copies(model: nn.Module, config: StepConfig) -> dict[nn.Paramete
     if config.optim_state_dtype != "bf16" or config.precision == "fp32":
         return {}
     dtype = DTYPES[config.precision]
-    return {m.weight: m.keep_weight_copy(dtype) for m in model.modules()
-            if isinstance(m, Linear) and m.fp32_weight_grad and m.weight.dtype == torch.float32}
+    copies = {}
+    for m in model.modules():
+        if isinstance(m, SwiGLU) and all(_keeps_copy(w) for w in (m.w1, m.w2, m.w3)):
+            copies.update(m.keep_weight_copies(dtype))  # w1's and w3's in one tensor, for the fused matmul
+        elif _keeps_copy(m) and m.weight not in copies:
+            copies[m.weight] = m.keep_weight_copy(dtype)
+    return copies
+
+
+def _keeps_copy(m: nn.Module) -> bool:
+    return isinstance(m, Linear) and m.fp32_weight_grad and m.weight.dtype == torch.float32
 
 
 def make_optimizer(model: nn.Module, config: StepConfig, device: torch.device,

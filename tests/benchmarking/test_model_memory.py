@@ -50,8 +50,9 @@ def _measured_saved(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> int:
 @pytest.mark.parametrize("attn", ["naive", "sdpa"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("batch,seq", [(2, 16), (3, 40)])
-def test_saved_activations_match_what_autograd_saves(attn, dtype, batch, seq):
-    cfg = ModelConfig(**{**TINY, "attn": attn})
+@pytest.mark.parametrize("fused_gate_up", [True, False])
+def test_saved_activations_match_what_autograd_saves(attn, dtype, batch, seq, fused_gate_up):
+    cfg = ModelConfig(**{**TINY, "attn": attn, "fused_gate_up": fused_gate_up})
     measured = _measured_saved(cfg, batch, seq, dtype)
     mb = explain_memory(cfg, batch, seq, dtype, "forward-backward", device_type="cpu")
     weight_copies = 2 * matmul_weight_count(cfg) if dtype == "bf16" else 0  # saved by each Linear too

@@ -1,0 +1,40 @@
+"""The Triton kernels of model.fused_swiglu: silu(gate) * up out of the fused gate/up projection, and back.
+
+A program takes BLOCK columns of one row: it reads the gate and up halves of the row once, computes in fp32 and
+writes once. Imported on first use, so that TRITON_INTERPRET (the CPU interpreter, for tests) is read after it is set.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def silu_mul(gate_up_ptr, out_ptr, d_ff, gate_up_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """gate_up (rows, 2 d_ff), the last dim contiguous -> out (rows, d_ff) = silu(gate) * up."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d_ff
+    src = gate_up_ptr + row * gate_up_row_stride + cols
+    gate = tl.load(src, mask=mask).to(tl.float32)
+    up = tl.load(src + d_ff, mask=mask).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_backward(gate_up_ptr, grad_ptr, grad_gate_up_ptr, d_ff, gate_up_row_stride, grad_row_stride,
+                      BLOCK: tl.constexpr):
+    """The gradient of silu_mul: grad (rows, d_ff) -> grad_gate_up (rows, 2 d_ff), contiguous:
+    d gate = grad * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))), d up = grad * silu(gate)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d_ff
+    src = gate_up_ptr + row * gate_up_row_stride + cols
+    gate = tl.load(src, mask=mask).to(tl.float32)
+    up = tl.load(src + d_ff, mask=mask).to(tl.float32)
+    grad = tl.load(grad_ptr + row * grad_row_stride + cols, mask=mask).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    dst = grad_gate_up_ptr + row * 2 * d_ff + cols
+    dtype = grad_gate_up_ptr.dtype.element_ty
+    tl.store(dst, (grad * up * sig * (1 + gate * (1 - sig))).to(dtype), mask=mask)
+    tl.store(dst + d_ff, (grad * gate * sig).to(dtype), mask=mask)
