@@ -9,14 +9,19 @@ import triton.language as tl
 
 
 @triton.jit
-def silu_mul(gate_up_ptr, out_ptr, d_ff, gate_up_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """gate_up (rows, 2 d_ff), the last dim contiguous -> out (rows, d_ff) = silu(gate) * up."""
+def _gate_and_up(gate_up_ptr, d_ff, gate_up_row_stride, BLOCK: tl.constexpr):
+    """(row, columns, their mask, gate, up in fp32) of this program's block of gate_up (rows, 2 d_ff)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d_ff
     src = gate_up_ptr + row * gate_up_row_stride + cols
-    gate = tl.load(src, mask=mask).to(tl.float32)
-    up = tl.load(src + d_ff, mask=mask).to(tl.float32)
+    return row, cols, mask, tl.load(src, mask=mask).to(tl.float32), tl.load(src + d_ff, mask=mask).to(tl.float32)
+
+
+@triton.jit
+def silu_mul(gate_up_ptr, out_ptr, d_ff, gate_up_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """gate_up (rows, 2 d_ff), the last dim contiguous -> out (rows, d_ff) = silu(gate) * up."""
+    row, cols, mask, gate, up = _gate_and_up(gate_up_ptr, d_ff, gate_up_row_stride, BLOCK)
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -26,12 +31,7 @@ def silu_mul_backward(gate_up_ptr, grad_ptr, grad_gate_up_ptr, d_ff, gate_up_row
                       BLOCK: tl.constexpr):
     """The gradient of silu_mul: grad (rows, d_ff) -> grad_gate_up (rows, 2 d_ff), contiguous:
     d gate = grad * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))), d up = grad * silu(gate)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < d_ff
-    src = gate_up_ptr + row * gate_up_row_stride + cols
-    gate = tl.load(src, mask=mask).to(tl.float32)
-    up = tl.load(src + d_ff, mask=mask).to(tl.float32)
+    row, cols, mask, gate, up = _gate_and_up(gate_up_ptr, d_ff, gate_up_row_stride, BLOCK)
     grad = tl.load(grad_ptr + row * grad_row_stride + cols, mask=mask).to(tl.float32)
     sig = tl.sigmoid(gate)
     dst = grad_gate_up_ptr + row * 2 * d_ff + cols
