@@ -43,11 +43,11 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_training(got: list[dict], want: list[dict]) -> None:
+def assert_same_training(got: list[dict], want: list[dict], loss_rtol: float = 1e-5, norm_rtol: float = 1e-4) -> None:
     """Same steps and, up to float summation order, the same losses and gradient norms."""
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5, atol=0)
-    torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-4, atol=0)
+    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in want], rtol=loss_rtol, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=norm_rtol, atol=0)
     assert max(r["grad_norm"] for r in want) > 1.0, "clipping (--grad-clip 1) should act in these runs"
 
 
@@ -117,8 +117,10 @@ def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_
     assert train.main(argv(text_file, one, *bf16)) == 0
     results = run_ranks(argv(text_file, ddp, *bf16, "--parallel", "ddp"), tmp_path / "logs")
     assert_ranks_exited(results, 0, 0)
-    # As tight as in fp32: a rank that trained on its half alone would be off by 1-7% in loss.
-    assert_same_training(rows(ddp), rows(one))
+    # A rank that trained on its half alone would be off by 1-7% in loss. The gradients of a step agree to fp32
+    # summation order (1e-7), but a weight that differs in its last bits can round its bf16 matmul inputs the other
+    # way, and that grows over the steps: up to 1.7e-4 in loss and 1.0e-4 in gradient norm by the last step here.
+    assert_same_training(rows(ddp), rows(one), loss_rtol=1e-3, norm_rtol=1e-3)
 
 
 def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_process, capsys):
