@@ -18,10 +18,12 @@
 #                               against flex, sdpa, cuDNN)
 #                  training     --preset training --graph-timing (the shapes models train with)
 #   train-steps  bench_model.py --mode train-step, bf16, compiled, every step replayed as one CUDA graph, AdamW
-#                during the backward (--overlap-optimizer) with fp32 and bf16 moments (--optim-state-dtype), RoPE in
-#                PyTorch ops and in its Triton kernels (--fused-rope both), ours with flash against Hugging Face
-#                Llama in the same run:
+#                during the backward (--overlap-optimizer): ours with flash in its default configuration (fp32 AdamW
+#                moments, fp32 residual stream) against Hugging Face Llama, then ours in bf16's fastest
+#                (--optim-state-dtype bf16 --residual autocast):
 #                  small (batch 16, context 1024)   large (batch 4, context 1024)   2.7B (batch 4, context 512)
+#   headline     the README's first command, python train.py --attn flash --dtype bf16 (its defaults: small, batch
+#                16, context 1024, 1000 steps of the built-in corpus, compiled, CUDA graph), W&B disabled
 #   train-variants  train.py, small, bf16, flash, its defaults (compiled, a CUDA graph where the run allows one), 300
 #                steps on the built-in corpus as BPE (prepare_data.py): the plain model, the same with
 #                --pack-documents, with GQA (4 kv heads), windows of 256 (LLLG) and documents, and with a softcap
@@ -42,10 +44,10 @@
 #                         RoPE) with --fp8 off,tensorwise; large also profiled (kernel categories of both)
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
 #                         tensorwise (torchao's fastest recipe), with seeds 0 and 1: the loss curves side by side
-#   profile      bench_model.py --profile on ours (flash, compiled): the defaults (AdamW state fp32, fused RoPE)
-#                and each change from them (bf16 state; RoPE in PyTorch ops), then scripts/kernel_categories.py: GPU
-#                ms per step by kernel category. Parts: small, large, 2.7B (shapes as in train-steps); by default
-#                large and 2.7B
+#   profile      bench_model.py --profile on ours (flash, compiled, graphed; AdamW after the backward, so that the
+#                kernel times add up to the step): the defaults, then bf16's fastest configuration
+#                (--optim-state-dtype bf16 --residual autocast), then scripts/kernel_categories.py: GPU ms per step
+#                by kernel category. Parts: small, large, 2.7B (shapes as in train-steps); by default large and 2.7B
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
 #                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 512, batch 4,
@@ -169,22 +171,38 @@ shape() {  # the batch and context of each training-step config
         *) return 1 ;;
     esac
 }
+# bench_model.py's train-step as train-steps and profile run it: compiled, one CUDA graph
+TRAIN_STEP=(--dtype bf16 --mode train-step --no-progress --compile on --attn flash --cuda-graph on)
+FASTEST=(--optim-state-dtype bf16 --residual autocast)  # bf16's fastest configuration, beside the defaults
 step_train_steps() {
     local size
     for size in $(parts "$1" small large 2.7B); do
         echo "-- train-steps $size"
         shape "$size" > /dev/null || { echo "unknown part train-steps:$size (small, large, 2.7B)"; STATUS=1; continue; }
         # shellcheck disable=SC2046  # shape's flags are meant to split
-        run "$OUT/train-steps/$size.log" 330 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
-            --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash --impl ours,hf \
-            --cuda-graph on --overlap-optimizer on --optim-state-dtype fp32,bf16 --fused-rope both \
-            --out "$OUT/train-steps/$size"
+        run "$OUT/train-steps/$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") \
+            "${TRAIN_STEP[@]}" --overlap-optimizer on --warmup 4 --steps 10 --impl ours,hf --out "$OUT/train-steps/$size"
+        # shellcheck disable=SC2046
+        run "$OUT/train-steps/$size-fastest.log" 200 "$PY" bench_model.py --sizes "$size" $(shape "$size") \
+            "${TRAIN_STEP[@]}" --overlap-optimizer on --warmup 4 --steps 10 --impl ours "${FASTEST[@]}" \
+            --out "$OUT/train-steps/$size-fastest"
     done
     SUMMARIES+=(summary_train_steps)
 }
 summary_train_steps() {
     echo "## train-steps: bf16, compiled, CUDA graph ($OUT/train-steps/*/results.json)"
     summarize train-steps "$OUT"/train-steps/*/results.json
+}
+
+# --- headline --------------------------------------------------------------------------------------------------
+step_headline() {
+    run "$OUT/headline/train.log" 300 "$PY" train.py --attn flash --dtype bf16 --out "$OUT/headline/run" \
+        --wandb disabled
+    SUMMARIES+=(summary_headline)
+}
+summary_headline() {
+    echo "## headline: python train.py --attn flash --dtype bf16 ($OUT/headline/run/metrics.jsonl)"
+    summarize train-variants "$OUT/headline" run
 }
 
 # --- train-variants --------------------------------------------------------------------------------------------
@@ -288,26 +306,23 @@ summary_fp8() {
 
 # --- profile ---------------------------------------------------------------------------------------------------
 step_profile() {
-    local size dir trace
+    local size dir config trace
     for size in $(parts "$1" large 2.7B); do
         echo "-- profile $size"
         shape "$size" > /dev/null || { echo "unknown part profile:$size (small, large, 2.7B)"; STATUS=1; continue; }
-        dir="$OUT/profile/$size"
-        # shellcheck disable=SC2046
-        run "$dir.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 --mode train-step \
-            --no-progress --compile on --attn flash --optim-state-dtype fp32,bf16 --fused-rope both --warmup 3 \
-            --steps 2 --profile "$dir/prof" --profile-steps 2 --out "$dir"
-        [ "$DRY_RUN" = 1 ] && { echo "   \$ $PY scripts/kernel_categories.py $dir/prof/*/trace.json 2 --top 45"; continue; }
-        # One folder per configuration, named by its label: " opt-state=bf16" and " rope=torch" where they apply.
-        for config in fp32-state-fused-rope bf16-state-fused-rope fp32-state-torch-rope bf16-state-torch-rope; do
-            local find_args=(-name trace.json)
-            [[ $config == bf16* ]] && find_args+=(-path '*opt-state=bf16*') || find_args+=(-not -path '*opt-state=*')
-            [[ $config == *torch-rope ]] && find_args+=(-path '*rope=torch*') || find_args+=(-not -path '*rope=*')
-            trace=$(find "$dir/prof" "${find_args[@]}" 2>/dev/null | head -1)
+        for config in defaults fastest; do
+            dir="$OUT/profile/$size-$config"
+            local extra=()
+            [ "$config" = fastest ] && extra=("${FASTEST[@]}")
+            # shellcheck disable=SC2046
+            run "$dir.log" 240 "$PY" bench_model.py --sizes "$size" $(shape "$size") "${TRAIN_STEP[@]}" "${extra[@]}" \
+                --warmup 3 --steps 2 --profile "$dir/prof" --profile-steps 2 --out "$dir"
+            [ "$DRY_RUN" = 1 ] && { echo "   \$ $PY scripts/kernel_categories.py $dir/prof/*/trace.json 2 --top 45"; continue; }
+            trace=$(find "$dir/prof" -name trace.json 2>/dev/null | head -1)
             if [ -n "$trace" ]; then
                 "$PY" scripts/kernel_categories.py "$trace" 2 --top 45 > "$OUT/profile/$size-$config-kernel-categories.txt"
             else
-                echo "   no $config trace.json under $dir/prof"; STATUS=1
+                echo "   no trace.json under $dir/prof"; STATUS=1
             fi
         done
     done
@@ -403,6 +418,7 @@ elif kind == "train-steps":
             adamw = "overlapped" if r.get("overlap_optimizer") else "after"
             ms = f"{fmt(r.get('total_ms_mean'), '.2f')} ± {fmt(r.get('total_ms_std'), '.2f')}"
             mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+            adamw += " state=bf16" if r.get("optim_state_dtype") == "bf16" else ""
             adamw += f" fp8={r['fp8']}" if r.get("fp8") not in (None, "off") else ""
             adamw += " residual=autocast" if r.get("fp32_residual") is False else ""
             adamw += " gate-up=apart" if r.get("fused_gate_up") is False else ""
@@ -461,10 +477,9 @@ for arg in "$@"; do
     case $arg in
         -n|--dry-run) DRY_RUN=1 ;;
         -h|--help) usage; exit 0 ;;
-        tests*|attention*|train-steps*|train-variants|residual*|gate-up*|fp8*|profile*|distributed*) steps+=("$arg") ;;
-        *) echo "unknown step '$arg'; steps: tests attention train-steps train-variants residual gate-up fp8 profile" \
-                "distributed" \
-                "(--help)" >&2
+        tests*|attention*|train-steps*|headline|train-variants|residual*|gate-up*|fp8*|profile*|distributed*) steps+=("$arg") ;;
+        *) echo "unknown step '$arg'; steps: tests attention train-steps headline train-variants residual gate-up fp8" \
+                "profile distributed (--help)" >&2
            exit 2 ;;
     esac
 done
