@@ -27,7 +27,7 @@ WRITES: dict[str, set[str]] = {}
 
 
 def _written(kernel: triton.runtime.JITFunction, args: dict) -> list[str]:
-    if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch >= 2.12
+    if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # older releases: identify_mutated_tensors
         names = [d.name for d in triton_kernel_wrap.identify_accessed_tensors(kernel, args, {}).read_writes.writes]
     else:
         names = triton_kernel_wrap.identify_mutated_tensors(kernel, args, {})
