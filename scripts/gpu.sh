@@ -149,11 +149,7 @@ step_gate_up() {
     local size
     for size in $(parts "$1" small large 2.7B); do
         shape "$size" > /dev/null || { echo "unknown part gate-up:$size (small, large, 2.7B)"; STATUS=1; continue; }
-        # shellcheck disable=SC2046
-        run "$OUT/gate-up/$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
-            --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash --cuda-graph on \
-            --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on --residual autocast --fused-gate-up both \
-            --out "$OUT/gate-up/$size"
+        train_step "$OUT/gate-up/$size.log" 300 "$size" "${FASTEST[@]}" --fused-gate-up both --out "$OUT/gate-up/$size"
     done
     SUMMARIES+=(summary_gate_up)
 }
@@ -171,20 +167,23 @@ shape() {  # the batch and context of each training-step config
         *) return 1 ;;
     esac
 }
-# bench_model.py's train-step as train-steps and profile run it: compiled, one CUDA graph
+# bench_model.py's train step as the steps here run it: compiled, one CUDA graph
 TRAIN_STEP=(--dtype bf16 --mode train-step --no-progress --compile on --attn flash --cuda-graph on)
 FASTEST=(--optim-state-dtype bf16 --residual autocast)  # bf16's fastest configuration, beside the defaults
+train_step() {  # train_step LOG LIMIT_S SIZE ARGS...: SIZE's step timed, AdamW during the backward
+    local log=$1 limit=$2 size=$3
+    shift 3
+    # shellcheck disable=SC2046  # shape's flags are meant to split
+    run "$log" "$limit" "$PY" bench_model.py --sizes "$size" $(shape "$size") "${TRAIN_STEP[@]}" \
+        --overlap-optimizer on --warmup 4 --steps 10 "$@"
+}
 step_train_steps() {
     local size
     for size in $(parts "$1" small large 2.7B); do
         echo "-- train-steps $size"
         shape "$size" > /dev/null || { echo "unknown part train-steps:$size (small, large, 2.7B)"; STATUS=1; continue; }
-        # shellcheck disable=SC2046  # shape's flags are meant to split
-        run "$OUT/train-steps/$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") \
-            "${TRAIN_STEP[@]}" --overlap-optimizer on --warmup 4 --steps 10 --impl ours,hf --out "$OUT/train-steps/$size"
-        # shellcheck disable=SC2046
-        run "$OUT/train-steps/$size-fastest.log" 200 "$PY" bench_model.py --sizes "$size" $(shape "$size") \
-            "${TRAIN_STEP[@]}" --overlap-optimizer on --warmup 4 --steps 10 --impl ours "${FASTEST[@]}" \
+        train_step "$OUT/train-steps/$size.log" 300 "$size" --impl ours,hf --out "$OUT/train-steps/$size"
+        train_step "$OUT/train-steps/$size-fastest.log" 200 "$size" --impl ours "${FASTEST[@]}" \
             --out "$OUT/train-steps/$size-fastest"
     done
     SUMMARIES+=(summary_train_steps)
@@ -233,11 +232,8 @@ step_residual() {
         case $part in
             steps)
                 for size in small large; do
-                    # shellcheck disable=SC2046
-                    run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
-                        --mode train-step --warmup 4 --steps 10 --no-progress --compile on --attn flash \
-                        --cuda-graph on --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on \
-                        --residual both --out "$dir/steps-$size"
+                    train_step "$dir/steps-$size.log" 300 "$size" --optim-state-dtype bf16 --residual both \
+                        --out "$dir/steps-$size"
                 done ;;
             loss)
                 run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$BPE_DATA" || continue
