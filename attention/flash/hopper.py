@@ -46,6 +46,13 @@ REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
 # against 0.305).
 PERSISTENT_MAX_WINDOW = 3072
 THREE_CONSUMERS_MIN_WINDOW = 512
+# At d 128 two consumers streaming 128-key tiles in three slots (224 of an SM's 227 KB) beat three consumers on 64-key
+# tiles without a mask at every length tried and with causal masks from this length on. Medians of 2-3 rounds taking
+# turns, bf16, ms: not causal, B8 H16 N2048 0.473 against 0.504 (H200), B4 H16 N4096 0.904 against 0.961 (H200), B2
+# H16 N8192 1.701 against 1.830-1.983 (H100); causal, B4 H16 N4096 0.531 against 0.546 (H200), B2 H16 N8192
+# 0.942-0.950 against 0.955-1.000 (H100), GQA B4 H32 KV8 N8192 3.567-3.586 against 3.779-4.471 (H100), B1 H32 N32768
+# 13.58-14.28 against 13.80 (H100); shorter causal rows took longer, B8 H16 N2048 0.305 against 0.299 (H200).
+WIDE_KEY_TILES_MIN_CAUSAL_SEQ = 4096
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,14 @@ class HopperTiles:
 
 
 def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[int] = None,
-              docs: bool = False) -> HopperTiles:
+              docs: bool = False, causal: bool = True) -> HopperTiles:
     """The forward's tiles: persistent for short key ranges (documents, windows under PERSISTENT_MAX_WINDOW), with
-    three consumers for windows from THREE_CONSUMERS_MIN_WINDOW keys without documents; otherwise three consumers (192
-    rows a program) when that still gives every SM four programs, else two.
+    three consumers for windows from THREE_CONSUMERS_MIN_WINDOW keys without documents; at d 128 without a window,
+    when not causal or from WIDE_KEY_TILES_MIN_CAUSAL_SEQ causal rows, two consumers on 128-key tiles; otherwise
+    three consumers (192 rows a program) when that still gives every SM four programs, else two.
 
     Measured on the H100: three consumers ran the B1 H16 N16384 d 64 causal forward 8% faster than two, d 128
-    causal 9%, d 64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
+    causal 9% (both on 64-key tiles), d 64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
     were 16% faster in one run and 4% slower in the next, where host time bounds both; that size now stays below
     MIN_SCORES.
     """
@@ -85,6 +93,8 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[
             return HopperTiles(consumers=2, block_n=64, stages=4, persistent=True)
         # d 128: three slots, as the plain three-consumer forward there (four would take 224 of an SM's 227 KB).
         return HopperTiles(consumers=3, block_n=64, stages=4 if d == 64 else 3, persistent=True)
+    if d == 128 and window is None and (not causal or n >= WIDE_KEY_TILES_MIN_CAUSAL_SEQ):
+        return HopperTiles(consumers=2, block_n=128, stages=3)
     block_n = 128 if d == 64 else 64
     three = HopperTiles(consumers=3, block_n=block_n, stages=3)
     if batch_heads * math.ceil(n / three.rows) >= 4 * sm_count:
@@ -351,7 +361,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     from attention.flash.hopper_kernels import attn_fwd_hopper
 
     b, h, n, d = q.shape
-    t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0), masks.window, masks.starts is not None)
+    t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0), masks.window, masks.starts is not None,
+                           causal)
     _check_tiles(n, t)
     q_desc, q_index = _descriptor(q, t.block_m)
     k_desc, k_index = _descriptor(k, t.block_n)

@@ -161,7 +161,7 @@ def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
               (8, 16, 1024, 128, True)]
     configs = []
     for b, h, n, d, causal in shapes:
-        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS), causal))
+        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, causal=causal), causal))
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, docs=True), causal))
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, window=1024), causal))
         for kind, t in backward_tiles_for(d, n, b * h, H100_SMS).items():

@@ -153,6 +153,18 @@ def test_three_consumers_only_when_every_sm_gets_four_programs():
     assert not hopper.tiles_for(64, 16384, 16, 132).persistent
 
 
+def test_d128_takes_128_key_tiles_without_a_mask_and_on_long_causal_rows():
+    wide = hopper.HopperTiles(consumers=2, block_n=128, stages=3)
+    long_rows = hopper.WIDE_KEY_TILES_MIN_CAUSAL_SEQ
+    assert hopper.tiles_for(128, 1024, 16, 132, causal=False) == wide
+    assert hopper.tiles_for(128, long_rows, 16, 132, causal=True) == wide
+    assert hopper.tiles_for(128, long_rows // 2, 128, 132, causal=True) == hopper.HopperTiles(3, 64, 3)
+    assert hopper.tiles_for(128, long_rows, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW).block_n == 64
+    assert hopper.tiles_for(64, long_rows, 64, 132, causal=False).consumers == 3  # d 64 keeps three consumers
+    # one query block, three slots of K and V tiles: 224 of an H100 SM's 227 KB of shared memory
+    assert (wide.rows + 2 * wide.stages * wide.block_n) * 128 * 2 <= 227 * 1024
+
+
 def test_short_key_ranges_run_the_persistent_forward():
     for d in hopper.HEAD_DIMS:
         assert hopper.tiles_for(d, 16384, 16, 132, docs=True).persistent
