@@ -48,11 +48,12 @@ PERSISTENT_MAX_WINDOW = 3072
 THREE_CONSUMERS_MIN_WINDOW = 512
 # At d 128 two consumers streaming 128-key tiles in three slots (224 of an SM's 227 KB) ran faster than three consumers
 # on 64-key tiles without a mask at every length tried, and with a causal mask from this length on faster or level
-# (slower below it). Medians of 2-3 rounds taking turns, bf16, ms: not causal, B8 H16 N2048 0.473 against 0.504 (H200), B4 H16 N4096 0.904 against 0.960 (H200), B2
-# H16 N8192 1.701 against 1.830-1.983 (H100); causal, B4 H16 N4096 0.531 against 0.546 (H200), B2 H16 N8192
-# 0.942-0.950 against 0.955-1.000 (H100), GQA B4 H32 KV8 N8192 3.567-3.586 against 3.779-4.471 (H100), B1 H32 N32768
-# 13.58-14.28 against 13.80 (H100), B1 H16 N16384 1.946 against 1.920 (H200, rounds 1.818-1.955); shorter causal rows
-# took longer, B8 H16 N2048 0.305 against 0.299 (H200). results/h{100,200}/2026-11-28-flash-hopper-d128-*tiles.txt
+# (slower below it). Medians of 2-3 rounds taking turns, bf16, ms: not causal, B8 H16 N2048 0.473 against 0.504 (H200),
+# B4 H16 N4096 0.904 against 0.960 (H200), B2 H16 N8192 1.701 against 1.830-1.983 (H100); causal, B4 H16 N4096 0.531
+# against 0.546 (H200), B2 H16 N8192 0.942-0.950 against 0.955-1.000 (H100), GQA B4 H32 KV8 N8192 3.567-3.586 against
+# 3.779-4.471 (H100), B1 H32 N32768 13.58-14.28 against 13.80 (H100), B1 H16 N16384 1.946 against 1.920 (H200, rounds
+# 1.818-1.955); shorter causal rows took longer, B8 H16 N2048 0.305 against 0.299 (H200).
+# results/h{100,200}/2026-11-28-flash-hopper-d128-*tiles.txt
 WIDE_KEY_TILES_MIN_CAUSAL_SEQ = 4096
 
 
