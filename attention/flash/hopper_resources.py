@@ -42,6 +42,7 @@ KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn
 ARG_TYPES = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32", "START": "*i32", "END": "*i32",
              "ORDER": "*i32"}
 ROW_STATS = ("lse_desc", "delta_desc")  # 1-D fp32 descriptors over L and delta
+Config = tuple[str, int, HopperTiles, bool, str]  # kind, d, tiles, causal, masks
 
 
 @dataclass(frozen=True)
@@ -125,33 +126,55 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
-def _resources_without_interpreter(kind: str, d: int, tiles: HopperTiles, causal: bool,
-                                   masks: str) -> KernelResources:
-    """resources() in a Python without TRITON_INTERPRET. With it set, triton.jit makes Triton's own library
-    functions (gl.max's combine function among them) interpreter functions, which no GPU compile can use."""
+def _spec(kind: str, d: int, tiles: HopperTiles, causal: bool, masks: str) -> str:
+    return f"{kind},{d},{tiles.consumers},{tiles.block_n},{tiles.stages},{int(causal)},{masks},{int(tiles.persistent)}"
+
+
+def _resources_without_interpreter(configs: list[Config]) -> list[KernelResources]:
+    """resources_of() in Pythons without TRITON_INTERPRET, one per CPU core, each compiling its share of the configs.
+    With TRITON_INTERPRET set, triton.jit makes Triton's own library functions (gl.max's combine function among them)
+    interpreter functions, which no GPU compile can use."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    spec = f"{kind},{d},{tiles.consumers},{tiles.block_n},{tiles.stages},{int(causal)},{masks},{int(tiles.persistent)}"
-    done = subprocess.run([sys.executable, "-m", "attention.flash.hopper_resources", "--json", spec], env=env,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling {spec} for sm_90 failed:\n{done.stderr[-4000:]}")
-    row = json.loads(done.stdout.splitlines()[-1])
-    return KernelResources(kind, d, tiles, causal, masks, row["shared_bytes"], row["warps"], row["registers"],
-                           row["spill_bytes"])
+    workers = max(1, min(len(configs), os.cpu_count() or 1))
+    shares = [configs[i::workers] for i in range(workers)]
+    running = [subprocess.Popen([sys.executable, "-m", "attention.flash.hopper_resources", "--json",
+                                 *(_spec(*config) for config in share)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for share in shares]
+    measured = {}
+    for share, process in zip(shares, running):
+        stdout, stderr = process.communicate()
+        if process.returncode != 0:
+            specs = " ".join(_spec(*config) for config in share)
+            raise RuntimeError(f"compiling {specs} for sm_90 failed:\n{stderr[-4000:]}")
+        for config, line in zip(share, stdout.splitlines()[-len(share):]):
+            row = json.loads(line)
+            measured[config] = KernelResources(*config, row["shared_bytes"], row["warps"], row["registers"],
+                                               row["spill_bytes"])
+    return [measured[config] for config in configs]
+
+
+def resources_of(configs: list[Config]) -> list[KernelResources]:
+    """resources() of each (kind, d, tiles, causal, masks), compiled in one process: under TRITON_INTERPRET that is
+    one subprocess for all of them, not one each (each starts torch anew)."""
+    for kind, *_ in configs:
+        if kind not in KERNELS:
+            raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
+    if _interpreting():
+        return _resources_without_interpreter(configs)
+    out = []
+    for kind, d, tiles, causal, masks in configs:
+        kernel = compile_kernel(kind, d, tiles, causal, masks)
+        registers, spills = _ptxas_report(kernel.asm["ptx"])
+        out.append(KernelResources(kind, d, tiles, causal, masks, kernel.metadata.shared, kernel.metadata.num_warps,
+                                   registers, spills))
+    return out
 
 
 def resources(kind: str, d: int, tiles: HopperTiles, causal: bool = True, masks: str = "") -> KernelResources:
     """Shared memory, warps, registers and spills of flash's `kind` Hopper kernel compiled for sm_90."""
-    if kind not in KERNELS:
-        raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
-    if _interpreting():
-        return _resources_without_interpreter(kind, d, tiles, causal, masks)
-    kernel = compile_kernel(kind, d, tiles, causal, masks)
-    registers, spills = _ptxas_report(kernel.asm["ptx"])
-    return KernelResources(kind, d, tiles, causal, masks, kernel.metadata.shared, kernel.metadata.num_warps,
-                           registers, spills)
+    return resources_of([(kind, d, tiles, causal, masks)])[0]
 
 
 def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
@@ -169,7 +192,6 @@ def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
     return list(dict.fromkeys(configs))
 
 
-Config = tuple[str, int, HopperTiles, bool, str]  # kind, d, tiles, causal, masks
 MASKS = ("", "w", "d", "wd")
 
 
@@ -198,18 +220,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object per config instead of a table")
     args = parser.parse_args(argv)
     configs = args.configs or [(*config, "") for config in dispatch_configs()]
+    measured = resources_of(configs)
     if args.json:
-        for kind, d, t, causal, masks in configs:
-            r = resources(kind, d, t, causal, masks)
+        for (kind, d, t, causal, masks), r in zip(configs, measured):
             print(json.dumps({"kind": kind, "d": d, "consumers": t.consumers, "block_n": t.block_n,
                               "stages": t.stages, "persistent": t.persistent, "causal": causal, "masks": masks,
-                              "shared_bytes": r.shared_bytes, "warps": r.warps, "registers": r.registers, "spill_bytes": r.spill_bytes}), flush=True)
+                              "shared_bytes": r.shared_bytes, "warps": r.warps, "registers": r.registers,
+                              "spill_bytes": r.spill_bytes}), flush=True)
         return
     # spill B: bytes of spill stores plus spill loads; regs: per thread at launch
     print(f"{'kernel':6s} {'d':>4s} {'tiles':16s} {'causal':6s} {'masks':5s} {'shared KiB':>10s} {'regs':>5s} "
           f"{'spill B':>7s}")
-    for kind, d, t, causal, masks in configs:
-        r = resources(kind, d, t, causal, masks)
+    for (kind, d, t, causal, masks), r in zip(configs, measured):
         tiles = f"c{t.consumers} m{t.block_m} n{t.block_n} s{t.stages}" + ("p" if t.persistent else "")
         regs, spills = ("?" if x is None else x for x in (r.registers, r.spill_bytes))
         print(f"{kind:6s} {d:4d} {tiles:16s} {str(causal):6s} {masks or '-':5s} {r.shared_bytes / 1024:10.1f} "

@@ -12,7 +12,8 @@ import triton
 
 from attention.flash import hopper
 from attention.flash.hopper import HopperTiles
-from attention.flash.hopper_resources import dispatch_configs, main, resources
+from attention.flash import hopper_resources
+from attention.flash.hopper_resources import KernelResources, dispatch_configs, main, resources, resources_of
 
 H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block of an H100 can take
 
@@ -27,6 +28,17 @@ CONFIGS = [("fwd", 64, HopperTiles(3, 128, 3)), ("fwd", 128, HopperTiles(2, 128,
            ("fwd", 128, HopperTiles(3, 64, 3))]
 
 
+MASKED = CONFIGS[:7:2] + CONFIGS[7:]  # one config per kernel, d 64, and the persistent forwards
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """KernelResources of every config below, plain and with both masks, by (kind, d, tiles, masks): compiled in one
+    batch (a few seconds each; under the interpreter one subprocess in all)."""
+    configs = [(kind, d, t, True, "") for kind, d, t in CONFIGS] + [(kind, d, t, True, "wd") for kind, d, t in MASKED]
+    return {(r.kind, r.d, r.tiles, r.masks): r for r in resources_of(configs)}
+
+
 def test_configs_are_the_dispatchs():
     picked = {(kind, d, t) for kind, d, t, _ in dispatch_configs()}
     assert set(CONFIGS) <= picked
@@ -34,8 +46,8 @@ def test_configs_are_the_dispatchs():
 
 @pytest.mark.parametrize("kind,d,tiles", CONFIGS, ids=[f"{k}-d{d}-c{t.consumers}n{t.block_n}s{t.stages}"
                                                       + ("p" if t.persistent else "") for k, d, t in CONFIGS])
-def test_kernel_compiles_for_sm90_within_shared_memory(kind, d, tiles):
-    r = resources(kind, d, tiles, causal=True)
+def test_kernel_compiles_for_sm90_within_shared_memory(compiled, kind, d, tiles):
+    r = compiled[kind, d, tiles, ""]
     # At least the kernel's own bf16 tiles: the resident ones (Q, twice when persistent; K and V; Q and dO) and a ring
     # of two streamed tensors.
     resident = 2 if kind != "fwd" or tiles.persistent else 1
@@ -50,13 +62,20 @@ def test_kernel_compiles_for_sm90_within_shared_memory(kind, d, tiles):
         assert r.spill_bytes == 0, f"{kind} d{d} {tiles} spills {r.spill_bytes} bytes under triton 3.6"
 
 
-def test_report_prints_a_row_per_config(capsys):
+def test_report_prints_a_row_per_config(capsys, monkeypatch):
+    # The table of what resources_of returns (the compiles are the tests above).
+    def measured(configs):
+        return [KernelResources(*config, shared_bytes=1024 * (i + 1), warps=12, registers=168, spill_bytes=0)
+                for i, config in enumerate(configs)]
+
+    monkeypatch.setattr(hopper_resources, "resources_of", measured)
     main(["dq,64,2,64,4", "dkdv,128,2,32,4,0", "fwd,64,2,64,4,1,d,1"])
     rows = capsys.readouterr().out.strip().splitlines()
     assert rows[0].split()[:2] == ["kernel", "d"]
     assert [r.split()[:2] for r in rows[1:]] == [["dq", "64"], ["dkdv", "128"], ["fwd", "64"]]
     assert rows[2].split()[6] == "False"
     assert rows[3].split()[5:8] == ["s4p", "True", "d"]
+    assert [r.split()[-3:] for r in rows[1:]] == [[f"{i}.0", "168", "0"] for i in (1, 2, 3)]
 
 
 def test_bad_config_is_refused():
@@ -67,10 +86,9 @@ def test_bad_config_is_refused():
         resources("bwd", 64, HopperTiles(2, 64, 4))
 
 
-@pytest.mark.parametrize("kind,d,tiles", CONFIGS[:7:2] + CONFIGS[7:], ids=lambda x: str(x))
-def test_masked_kernels_compile_for_sm90(kind, d, tiles):
+@pytest.mark.parametrize("kind,d,tiles", MASKED, ids=lambda x: str(x))
+def test_masked_kernels_compile_for_sm90(compiled, kind, d, tiles):
     """The window and document masks (constexpr WINDOW, DOCS) compile, within the same shared memory."""
-    plain = resources(kind, d, tiles, causal=True)
-    masked = resources(kind, d, tiles, causal=True, masks="wd")
+    plain, masked = compiled[kind, d, tiles, ""], compiled[kind, d, tiles, "wd"]
     assert masked.masks == "wd" and masked.warps == plain.warps
     assert plain.shared_bytes <= masked.shared_bytes <= H100_SHARED_BYTES
