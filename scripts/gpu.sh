@@ -41,9 +41,10 @@
 #                its wheel in ./.wheels):
 #                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), bf16's fastest
 #                         configuration (compiled, CUDA graph, bf16 AdamW state overlapped with the backward, fused
-#                         RoPE) with --fp8 off,tensorwise; large also profiled (kernel categories of both)
+#                         RoPE) with --fp8 off,tensorwise,rowwise; large also profiled (kernel categories of each)
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
-#                         tensorwise (torchao's fastest recipe), with seeds 0 and 1: the loss curves side by side
+#                         tensorwise (torchao's fastest recipe), with seeds 0 to 3 (FP8_SEEDS): the loss curves
+#                         side by side
 #   profile      bench_model.py --profile on ours (flash, compiled, graphed; AdamW after the backward, so that the
 #                kernel times add up to the step): the defaults, then bf16's fastest configuration
 #                (--optim-state-dtype bf16 --residual autocast), then scripts/kernel_categories.py: GPU ms per step
@@ -61,6 +62,7 @@
 #   OUT=DIR       where the files go (default ./gpu-out)
 #   PYTHON=EXE    the Python that has torch with CUDA (default python3)
 #   DEVICE=cpu    distributed only: run its steps with a tiny model over gloo, to check them without GPUs
+#   FP8_SEEDS     fp8:loss only: the seeds to train with (default "0 1 2 3")
 # A ./.wheels folder, if present, is installed from first (einx and wandb; transformers for train-steps), for
 # machines without network access. Triton's cache lives in ./.triton-cache (kept between runs, so autotuning is
 # paid once per shape), unless TRITON_CACHE_DIR says otherwise.
@@ -265,7 +267,7 @@ step_fp8() {
                     run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
                         --mode train-step --warmup 3 --steps 8 --no-progress --compile on --attn flash \
                         --cuda-graph on --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on \
-                        --fp8 off,tensorwise "${profile[@]}" --out "$dir/steps-$size"
+                        --fp8 off,tensorwise,rowwise "${profile[@]}" --out "$dir/steps-$size"
                 done
                 if [ "$DRY_RUN" = 1 ]; then
                     echo "   \$ $PY scripts/kernel_categories.py $dir/prof-large/*/trace.json 2 --top 40"
@@ -283,7 +285,7 @@ step_fp8() {
                 local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
                               --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
                 local seed name
-                for seed in 0 1; do
+                for seed in ${FP8_SEEDS:-0 1 2 3}; do
                     name=$([ "$seed" = 0 ] && echo loss || echo "loss-seed$seed")
                     run "$dir/$name-bf16.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --out "$dir/$name-bf16"
                     run "$dir/$name-tensorwise.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --fp8 tensorwise \
@@ -297,7 +299,7 @@ step_fp8() {
 summary_fp8() {
     echo "## fp8: bf16, compiled, CUDA graph ($OUT/fp8/*/results.json, $OUT/fp8/loss-*/metrics.jsonl)"
     summarize train-steps "$OUT"/fp8/steps-*/results.json
-    summarize train-variants "$OUT/fp8" loss-bf16 loss-tensorwise loss-seed1-bf16 loss-seed1-tensorwise
+    summarize train-variants "$OUT/fp8" loss-bf16 loss-tensorwise loss-seed{1,2,3}-{bf16,tensorwise}
 }
 
 # --- profile ---------------------------------------------------------------------------------------------------
