@@ -142,9 +142,9 @@ def _resources_without_interpreter(configs: list[Config]) -> list[KernelResource
     running = [subprocess.Popen([sys.executable, "-m", "attention.flash.hopper_resources", "--json",
                                  *(_spec(*config) for config in share)], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for share in shares]
+    outputs = [process.communicate() for process in running]  # all finished before any error is raised
     measured = {}
-    for share, process in zip(shares, running):
-        stdout, stderr = process.communicate()
+    for share, process, (stdout, stderr) in zip(shares, running, outputs):
         if process.returncode != 0:
             specs = " ".join(_spec(*config) for config in share)
             raise RuntimeError(f"compiling {specs} for sm_90 failed:\n{stderr[-4000:]}")
@@ -156,8 +156,8 @@ def _resources_without_interpreter(configs: list[Config]) -> list[KernelResource
 
 
 def resources_of(configs: list[Config]) -> list[KernelResources]:
-    """resources() of each (kind, d, tiles, causal, masks), compiled in one process: under TRITON_INTERPRET that is
-    one subprocess for all of them, not one each (each starts torch anew)."""
+    """resources() of each (kind, d, tiles, causal, masks), compiled in this process, or under TRITON_INTERPRET in
+    one subprocess per CPU core rather than one per config (each subprocess imports torch anew)."""
     for kind, *_ in configs:
         if kind not in KERNELS:
             raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")

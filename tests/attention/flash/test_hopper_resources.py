@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import triton
 
-from attention.flash import hopper
+from attention.flash import hopper, hopper_resources
 from attention.flash.hopper import HopperTiles
-from attention.flash import hopper_resources
 from attention.flash.hopper_resources import KernelResources, dispatch_configs, main, resources, resources_of
 
 H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block of an H100 can take
@@ -28,13 +27,13 @@ CONFIGS = [("fwd", 64, HopperTiles(3, 128, 3)), ("fwd", 128, HopperTiles(2, 128,
            ("fwd", 128, HopperTiles(3, 64, 3))]
 
 
-MASKED = CONFIGS[:7:2] + CONFIGS[7:]  # one config per kernel, d 64, and the persistent forwards
+MASKED = CONFIGS[:7:2] + CONFIGS[7:]  # each kernel at d 64, and the d 128 forwards of windows and documents
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """KernelResources of every config below, plain and with both masks, by (kind, d, tiles, masks): compiled in one
-    batch (a few seconds each; under the interpreter one subprocess in all)."""
+    batch (a few seconds each; under the interpreter, one subprocess per CPU core)."""
     configs = [(kind, d, t, True, "") for kind, d, t in CONFIGS] + [(kind, d, t, True, "wd") for kind, d, t in MASKED]
     return {(r.kind, r.d, r.tiles, r.masks): r for r in resources_of(configs)}
 
