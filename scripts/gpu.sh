@@ -73,6 +73,7 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-gpu-out}"
 DRY_RUN=0
+FP8_SEEDS="${FP8_SEEDS:-0 1 2 3}"
 
 STATUS=0          # 1 once any command failed
 SUMMARIES=()      # functions that print each step's table at the end
@@ -285,8 +286,8 @@ step_fp8() {
                 local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
                               --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
                 local seed name
-                for seed in ${FP8_SEEDS:-0 1 2 3}; do
-                    name=$([ "$seed" = 0 ] && echo loss || echo "loss-seed$seed")
+                for seed in $FP8_SEEDS; do
+                    name=$(fp8_loss_name "$seed")
                     run "$dir/$name-bf16.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --out "$dir/$name-bf16"
                     run "$dir/$name-tensorwise.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --fp8 tensorwise \
                         --out "$dir/$name-tensorwise"
@@ -296,10 +297,13 @@ step_fp8() {
     done
     SUMMARIES+=(summary_fp8)
 }
+fp8_loss_name() { [ "$1" = 0 ] && echo loss || echo "loss-seed$1"; }  # seed 0's files keep their first name
 summary_fp8() {
     echo "## fp8: bf16, compiled, CUDA graph ($OUT/fp8/*/results.json, $OUT/fp8/loss-*/metrics.jsonl)"
     summarize train-steps "$OUT"/fp8/steps-*/results.json
-    summarize train-variants "$OUT/fp8" loss-bf16 loss-tensorwise loss-seed{1,2,3}-{bf16,tensorwise}
+    local seed runs=()
+    for seed in $FP8_SEEDS; do runs+=("$(fp8_loss_name "$seed")"-{bf16,tensorwise}); done
+    summarize train-variants "$OUT/fp8" "${runs[@]}"
 }
 
 # --- profile ---------------------------------------------------------------------------------------------------
