@@ -42,8 +42,10 @@ REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
 # hopper_kernels._work_item). Windows, d 64, two / three consumers against a program per item: 256 keys 0.095 / 0.109
 # against 0.201; 512 0.140 / 0.135 against 0.213; 1024 0.230 / 0.210 against 0.273; 2048 0.408 / 0.368 against 0.381;
 # 3072 0.586 / 0.517 against 0.491 (longer rows hide a program's start). d 128: 256 keys 0.128 / 0.151; 1024 0.307 /
-# 0.290 against 0.306. Documents keep two consumers (0.214 against 0.229 with three; with GQA and a window too 0.211
-# against 0.305).
+# 0.290 against 0.306. Documents, their items taken longest first, run three consumers: kernel alone, two / three, d 64
+# mean length 1024 0.190 / 0.179 and 0.212 / 0.194 (two draws), 256 0.124 / 0.121, 4096 0.534 / 0.493, with GQA KV4
+# 0.187 / 0.173; d 128 0.313 / 0.283. With a window as well they keep two: 1024 keys 0.181 / 0.205, 256 0.121 / 0.145,
+# with GQA KV4 0.178 / 0.192 (results/h100/2026-11-28-flash-hopper-persistent-consumers.txt).
 PERSISTENT_MAX_WINDOW = 3072
 THREE_CONSUMERS_MIN_WINDOW = 512
 # At d 128 two consumers streaming 128-key tiles in three slots (224 of an SM's 227 KB) ran faster than three consumers
@@ -81,9 +83,10 @@ class HopperTiles:
 def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[int] = None,
               docs: bool = False, causal: bool = True) -> HopperTiles:
     """The forward's tiles: persistent for short key ranges (documents, windows under PERSISTENT_MAX_WINDOW), with
-    three consumers for windows from THREE_CONSUMERS_MIN_WINDOW keys without documents; at d 128 without a window,
-    when not causal or from WIDE_KEY_TILES_MIN_CAUSAL_SEQ causal rows, two consumers on 128-key tiles; otherwise
-    three consumers (192 rows a program) when that still gives every SM four programs, else two.
+    three consumers for documents alone and for windows from THREE_CONSUMERS_MIN_WINDOW keys without documents, two
+    for documents with a window and for shorter windows; at d 128 without a window, when not causal or from
+    WIDE_KEY_TILES_MIN_CAUSAL_SEQ causal rows, two consumers on 128-key tiles; otherwise three consumers (192 rows a
+    program) when that still gives every SM four programs, else two.
 
     Measured on the H100: three consumers ran the B1 H16 N16384 d 64 causal forward 8% faster than two, d 128
     causal 9% (both on 64-key tiles), d 64 not causal 12%. At B1 H16 N4096 (352 programs of 192 rows on 132 SMs) two
@@ -91,7 +94,7 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[
     MIN_SCORES.
     """
     if docs or (window is not None and window < PERSISTENT_MAX_WINDOW):
-        if docs or window < THREE_CONSUMERS_MIN_WINDOW:
+        if window is not None and (docs or window < THREE_CONSUMERS_MIN_WINDOW):
             return HopperTiles(consumers=2, block_n=64, stages=4, persistent=True)
         # d 128: three slots, as the plain three-consumer forward there (four would take 224 of an SM's 227 KB).
         return HopperTiles(consumers=3, block_n=64, stages=4 if d == 64 else 3, persistent=True)

@@ -179,7 +179,7 @@ def resources(kind: str, d: int, tiles: HopperTiles, causal: bool = True, masks:
 
 def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
     """(kind, d, tiles, causal) the dispatch picks on an H100 at the benchmark shapes and the `large` model's, and the
-    forward's for documents and for a window of 1024 keys."""
+    forward's for documents, for a window of 1024 keys and for both."""
     shapes = [(1, 16, 16384, 64, True), (2, 16, 8192, 128, True), (2, 16, 8192, 64, False), (4, 20, 1024, 64, True),
               (8, 16, 1024, 128, True)]
     configs = []
@@ -187,6 +187,7 @@ def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, causal=causal), causal))
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, docs=True), causal))
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, window=1024), causal))
+        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, window=1024, docs=True), causal))
         for kind, t in backward_tiles_for(d, n, b * h, H100_SMS).items():
             configs.append((kind, d, t, causal))
     return list(dict.fromkeys(configs))

@@ -170,8 +170,10 @@ def test_short_key_ranges_run_the_persistent_forward():
         assert hopper.tiles_for(d, 16384, 16, 132, docs=True).persistent
         assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW - 1).persistent
         assert not hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW).persistent
-        # two consumers for documents and short windows, three for longer windows
+        # three consumers for documents alone and for longer windows, two for both together and short windows
+        assert hopper.tiles_for(d, 16384, 16, 132, docs=True).consumers == 3
         assert hopper.tiles_for(d, 16384, 16, 132, window=1024, docs=True).consumers == 2
+        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW - 1, docs=True).consumers == 2
         assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.THREE_CONSUMERS_MIN_WINDOW - 1).consumers == 2
         assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.THREE_CONSUMERS_MIN_WINDOW).consumers == 3
         for window in (None, 256, 1024):

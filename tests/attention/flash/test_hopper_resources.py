@@ -22,7 +22,7 @@ if hopper._gluon_problem() is not None:
 # Configs the dispatch picks on an H100, each kernel and head dim (the full list: dispatch_configs()).
 CONFIGS = [("fwd", 64, HopperTiles(3, 128, 3)), ("fwd", 128, HopperTiles(2, 128, 3)),
            ("dkdv", 64, HopperTiles(2, 64, 4)), ("dkdv", 128, HopperTiles(2, 32, 4)), ("dq", 64, HopperTiles(3, 64, 4)),
-           ("dq", 128, HopperTiles(2, 64, 4)), ("fwd", 64, HopperTiles(2, 64, 4, persistent=True)),
+           ("dq", 128, HopperTiles(2, 64, 4)), ("fwd", 64, HopperTiles(3, 64, 4, persistent=True)),
            ("fwd", 128, HopperTiles(2, 64, 4, persistent=True)), ("fwd", 128, HopperTiles(3, 64, 3, persistent=True)),
            ("fwd", 128, HopperTiles(3, 64, 3))]
 
