@@ -19,42 +19,50 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import pickle
 import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
-from attention import UnsupportedInputError, backend_names, list_attention
+from attention import UnsupportedInputError, list_attention
 from benchmarking import precision_report, report
-from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
 from benchmarking.decode import sampling_figures
 from benchmarking.environment import describe, environment_info
 from benchmarking.hf_llama import HFLlama
 from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.model_memory import explain_memory, format_breakdown, measure_saved_bytes, param_count
+from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
 from benchmarking.timing import peak_allocated_bytes, reset_peak_memory, summarize, synchronize
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
 from profiling.memory_snapshot import VIEWER_URL, format_peak, peak_report, record_memory_history, snapshot_unavailable
 from profiling.torch_profile import kernel_markdown, profile_steps
-from training import cli, distributed, fp8
-from training.distributed import DistContext, DistributedError
+from training import fp8
+from training.cli import OneLineParser, add_field
+from training.config import Config, ConfigError, overlaps_backward, parse_device, resolve
 from training.metrics import mfu
-from training.step import GRAPH_WARMUP, OptimizerConfig, StepConfig, TrainingStep, build_step
+from training.optim import optimizer_names
+from training.parallel import distributed
+from training.parallel.distributed import DistContext, DistributedError
+from training.progress import Progress
+from training.step import GRAPH_WARMUP, TrainingStep, build_step
 
-PRECISIONS = ("fp32", "bf16")  # training.precision's names; bf16 = autocast over fp32 master weights
+PRECISIONS = ("fp32", "bf16")  # bf16 = autocast over fp32 master weights
 IMPLS = ("ours", "hf")
 MODES = ("forward", "forward-backward", "train-step", "prefill", "decode")
 SAMPLING_MODES = ("prefill", "decode")  # benchmarking/decode.py: bf16/fp32 weights, no autocast, no grad
 GIB = 1024**3
+BENCH_DIST_TIMEOUT_S = 1800  # the other ranks wait out rank 0's one-GPU baseline at a barrier
 
 # --- arguments -------------------------------------------------------------------------------------------
 
@@ -65,63 +73,45 @@ def _split(values: Optional[Sequence[str]]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("what to run")
-    m.add_argument("--sizes", nargs="+", help=f"size presets, comma list: {', '.join(PRESETS)} (default small)")
-    cli.add_model_shape_flags(m, "custom size (all four, named 'custom'):")
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("what to run (lists are comma-separated; each combination is one row)")
+    m.add_argument("--sizes", nargs="+", help=f"size presets: {', '.join(PRESETS)} (default small)")
+    for name in ("d_model", "n_layers", "n_heads", "d_ff", "n_kv_heads"):
+        add_field(m, "model", name, shown=True, dest=name,
+                  help="custom size (with all of --d-model --n-layers --n-heads --d-ff, named 'custom')"
+                  if name != "n_kv_heads" else "key/value heads of every size (GQA)")
     m.add_argument("--vocab-size", type=int, default=10_000, help="vocabulary (default 10000)")
     m.add_argument("--context-lengths", nargs="+", default=["128,256,512,1024"],
-                   help="context lengths, comma list (default 128,256,512,1024)")
+                   help="context lengths (default 128,256,512,1024)")
     m.add_argument("--batch-size", type=int, default=4,
-                   help="sequences per step (default 4); with --parallel, per GPU (weak scaling: each rank gets "
-                        "--batch-size sequences, the global batch is N x --batch-size)")
-    m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends, comma list (default sdpa)")
-    cli.add_weight_grads_flag(m)
-    m.add_argument("--residual", default="fp32", choices=["fp32", "autocast", "both"],
-                   help="ours, under bf16 autocast: the residual stream in fp32 (default), in autocast's dtype "
-                        "(autocast), or a row each way (both)")
-    m.add_argument("--fused-rope", nargs="?", const="on", default="on", choices=["on", "off", "both"],
-                   help="ours: RoPE and the split of the qkv projection in one Triton kernel each way on CUDA (on), "
-                        "in PyTorch ops (off), or a row each way (both)")
-    m.add_argument("--fused-gate-up", nargs="?", const="on", default="on", choices=["on", "off", "both"],
-                   help="ours, under bf16 autocast: SwiGLU's w1 and w3 as one matmul against their concatenated "
-                        "weights (on), as two (off), or a row each way (both)")
-    m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast), comma list")
+                   help="sequences per step (default 4); with --parallel, per GPU (weak scaling)")
+    m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends (default sdpa)")
+    m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast)")
     m.add_argument("--impl", nargs="+", default=["ours"],
-                   help=f"{', '.join(IMPLS)}; comma list (default ours). hf is the peer, transformers' Llama "
-                        "(needs transformers): same sizes, step, optimizer and tokens, timed in the same run")
+                   help=f"{', '.join(IMPLS)} (default ours). hf is the peer, transformers' Llama (needs "
+                        "transformers): same sizes, step, optimizer and tokens, timed in the same run")
     m.add_argument("--compile", nargs="?", const="on", default="off", choices=["on", "off", "both"],
                    help="torch.compile the model: on, off (default) or both; a bare --compile means on")
-    cli.add_compile_scope_flag(m)
     m.add_argument("--cuda-graph", nargs="?", const="on", default="off", choices=["on", "off", "both"],
-                   help="replay the whole train-step (forward, backward, AdamW) as one CUDA graph: on, off (default) "
-                        "or both; removes the host's time per step. Needs --mode train-step, a GPU and --warmup >= 3")
-    m.add_argument("--overlap-optimizer", nargs="?", const="on", default="off", choices=["on", "off", "both"],
-                   help="step AdamW parameter by parameter during the backward, on a second CUDA stream "
-                        "(training/overlapped_optimizer.py): on, off (default) or both; ours, --mode train-step, "
-                        "one device")
-    m.add_argument("--fp8", nargs="+", default=["off"],
-                   help="the blocks' Linear layers in float8 (training/fp8.py, torchao): off (default), tensorwise, "
-                        "rowwise; comma list, e.g. off,tensorwise,rowwise to compare. Needs --dtype bf16")
-    m.add_argument("--optim-state-dtype", nargs="+", default=["fp32"],
-                   help="AdamW's moments: fp32 (default; torch.optim.AdamW) or bf16 (training/adamw.py, which also "
-                        "writes the bf16 weight copies the forward reads); comma list to compare; ours, train-step")
-    m.add_argument("--mode", nargs="+", default=["forward-backward"],
-                   help=f"{', '.join(MODES)}; comma list (default forward-backward)")
+                   help="replay the whole train-step as one CUDA graph: on, off (default) or both; needs --mode "
+                        "train-step, a GPU and --warmup >= 3")
+    m.add_argument("--fp8", nargs="+", default=["off"], help="off (default), tensorwise, rowwise (training/fp8.py)")
+    m.add_argument("--optimizer", nargs="+", default=["adamw"],
+                   help=f"ours, train-step: {', '.join(optimizer_names())} (default adamw)")
+    m.add_argument("--mode", nargs="+", default=["forward-backward"], help=f"{', '.join(MODES)} (default "
+                                                                           "forward-backward)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     m.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     m.add_argument("--seed", type=int, default=0, help="seed for init and the random tokens")
-    cli.add_device_flag(m)
+    add_field(m, "execution", "device", shown=True, dest="device")
     d = p.add_argument_group("several GPUs (launch with torchrun)")
-    cli.add_parallel_flags(d, "none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, "
-                              "after a one-GPU baseline on rank 0, and rows report scaling efficiency",
-                           1800, "seconds a rank waits at a collective (the other ranks wait out rank 0's baseline) "
-                                 "(default 1800)")
+    d.add_argument("--parallel", choices=["none", "ddp", "fsdp"], default="none",
+                   help="none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, after "
+                        "a one-GPU baseline on rank 0, and rows report scaling efficiency")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default="runs/bench_model", help="directory for results.md/.csv/.json and plots")
+    o.add_argument("--out", help="directory for results.md/.csv/.json and plots (default: a new "
+                                 "runs/bench_model/<time> per run)")
     o.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
-    o.add_argument("--wandb-project", default="flash-lm", help="W&B project")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
     pr = p.add_argument_group("profiling")
     pr.add_argument("--nvtx", action="store_true",
                     help="NVTX ranges (warmup, step, forward, backward, optimizer, naive attention's phases) for nsys")
@@ -131,52 +121,53 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--memory-snapshot", metavar="FILE",
                     help=f"CUDA memory history over a few steps, dumped to FILE (a pickle for {VIEWER_URL})")
     pr.add_argument("--snapshot-steps", type=int, default=3, help="steps recorded in the memory snapshot (default 3)")
-    pr.add_argument("--snapshot-max-entries", type=int, default=100_000,
-                    help="allocation events kept by the memory history (default 100000)")
     pr.add_argument("--explain-memory", action="store_true",
-                    help="print expected bytes (parameters, gradients, AdamW state, activations) beside the measured")
+                    help="print expected bytes (parameters, gradients, optimizer state, activations) beside the "
+                         "measured")
     pr.add_argument("--explain-precision", action="store_true",
-                    help="print, per --sizes and --dtype, the dtype of every tensor of a training step (parameters, "
-                         "sublayer outputs, logits, loss, gradients) and why; and 0.01 summed 1000 times in fp32, "
-                         "fp16 and bf16 with and without an fp32 accumulator; times nothing. It runs a batch of 2 x "
-                         "16 tokens with the first --attn backend: dtypes depend on neither")
+                    help="print, per --sizes and --dtype, the dtype of every tensor of a training step and why; and "
+                         "0.01 summed 1000 times in fp32, fp16 and bf16; times nothing")
     return p
 
 
 @dataclass(frozen=True)
 class Point:
-    """One configuration of the sweep."""
+    """One configuration of the sweep: its size's name, the training config it builds (model, execution,
+    optimizer), the batch, the mode, and whose model (ours, or hf: the Hugging Face peer)."""
 
     size: str
-    cfg: ModelConfig  # attn and context_length already set
+    config: Config
     batch_size: int
-    dtype: str
-    compile: bool
     mode: str
-    compile_scope: str = "blocks"  # what compile compiles: training.compilation.COMPILE_SCOPES
-    impl: str = "ours"  # ours, or hf: the Hugging Face peer (whole-model compile, its own SDPA attention)
-    cuda_graph: bool = False  # the train-step captured once and replayed (training.cuda_graph)
-    overlap_optimizer: bool = False  # AdamW stepped during the backward (training.overlapped_optimizer)
-    fp8: str = "off"  # the blocks' matmuls in float8 (training.fp8)
-    optim_state_dtype: str = "fp32"  # AdamW's moments (training.step.StepConfig)
+    impl: str = "ours"
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.config.model
 
     @property
     def context_length(self) -> int:
         return self.cfg.context_length
 
     @property
+    def attn(self) -> str:
+        return self.config.execution.attn
+
+    @property
     def label(self) -> str:
-        who = "hf-llama" if self.impl == "hf" else self.cfg.attn
-        return (f"{self.size} T={self.context_length} B={self.batch_size} {who} {self.dtype} "
-                f"compile={self.compile_scope if self.compile else 'off'} {self.mode}"
-                + (" cuda-graph" if self.cuda_graph else "")
-                + (" opt-overlap" if self.overlap_optimizer else "")
-                + (f" fp8={self.fp8}" if self.fp8 != "off" else "")
-                + (f" opt-state={self.optim_state_dtype}" if self.optim_state_dtype != "fp32" else "")
-                + ("" if self.cfg.fp32_weight_grads or self.impl == "hf" else " dW=autocast")
-                + ("" if self.cfg.fp32_residual or self.impl == "hf" else " residual=autocast")
-                + ("" if self.cfg.fused_rope or self.impl == "hf" else " rope=torch")
-                + ("" if self.cfg.fused_gate_up or self.impl == "hf" else " gate-up=apart"))
+        ex = self.config.execution
+        who = "hf-llama" if self.impl == "hf" else ex.attn
+        return (f"{self.size} T={self.context_length} B={self.batch_size} {who} {ex.dtype} "
+                f"compile={'on' if ex.compile else 'off'} {self.mode}"
+                + (" cuda-graph" if ex.cuda_graph else "")
+                + (" opt-overlap" if self.overlapped else "")
+                + (f" fp8={ex.fp8}" if ex.fp8 != "off" else "")
+                + (f" {self.config.optim.optimizer}" if self.config.optim.optimizer != "adamw" else ""))
+
+    @property
+    def overlapped(self) -> bool:
+        """The optimizer steps during the backward (ours, train-step, one process: never clipped here)."""
+        return self.impl == "ours" and self.mode == "train-step" and overlaps_backward(self.config)
 
     @property
     def slug(self) -> str:
@@ -206,31 +197,39 @@ def _choices(p: argparse.ArgumentParser, flag: str, values: list[str], valid: Se
     return list(dict.fromkeys(values))  # drop repeats, keep order
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Parse the list flags and reject bad values with a message naming the problem (exit status 2)."""
-    args.context_lengths = _positive_ints(p, "--context-lengths", _split(args.context_lengths))
-    args.attn = _choices(p, "--attn", _split(args.attn), backend_names(), "attention backend")
-    args.dtype = _choices(p, "--dtype", _split(args.dtype), list(PRECISIONS), "dtype")
-    args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
-    args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
-    args.fp8 = _choices(p, "--fp8", _split(args.fp8), list(fp8.RECIPES), "fp8 recipe")
-    args.optim_state_dtype = _choices(p, "--optim-state-dtype", _split(args.optim_state_dtype),
-                                      list(cli.OPTIM_STATE_DTYPES), "optimizer state dtype")
+def _models(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, ModelConfig]:
+    """The model of each --sizes entry (and 'custom'), without context length (each row sets its own)."""
+    custom = {"--d-model": args.d_model, "--n-layers": args.n_layers, "--n-heads": args.n_heads, "--d-ff": args.d_ff}
+    given = [k for k, v in custom.items() if v is not None]
+    if given and len(given) < len(custom):
+        missing = [k for k in custom if k not in given]
+        p.error(f"a custom size needs all of --d-model --n-layers --n-heads --d-ff; missing {' '.join(missing)}")
+    sizes = _split(args.sizes) if args.sizes else ([] if given else ["small"])
+    sizes = _choices(p, "--sizes", sizes, list(PRESETS) + (["custom"] if given else []), "size") if sizes else []
+    if given and "custom" not in sizes:
+        sizes.append("custom")
+    models = {}
+    for size in sizes:
+        try:
+            shape = dict(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, d_ff=args.d_ff)
+            models[size] = (ModelConfig(**shape, vocab_size=args.vocab_size, n_kv_heads=args.n_kv_heads)
+                            if size == "custom" else
+                            config_for(size, vocab_size=args.vocab_size, n_kv_heads=args.n_kv_heads))
+        except ValueError as e:
+            p.error(f"size {size!r}: {e}")
+    return models
+
+
+def _check_bench_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What is the benchmark's own to check: its lists, its modes, its profiling outputs."""
     if args.cuda_graph != "off":
         if args.mode != ["train-step"]:
             p.error(f"--cuda-graph captures the whole train step: use --mode train-step (got {','.join(args.mode)})")
-        if args.parallel != "none":
-            p.error("--cuda-graph is for one device; drop --parallel")
         if args.warmup < GRAPH_WARMUP + 1:
             p.error(f"--cuda-graph needs --warmup >= {GRAPH_WARMUP + 1} ({GRAPH_WARMUP} eager steps, then the "
                     f"capture), got {args.warmup}")
-    if args.overlap_optimizer != "off":
-        if args.mode != ["train-step"]:
-            p.error(f"--overlap-optimizer steps the optimizer inside the backward: use --mode train-step "
-                    f"(got {','.join(args.mode)})")
-        if args.parallel != "none":
-            p.error("--overlap-optimizer is for one device (DDP and FSDP reduce gradients after its hooks); "
-                    "drop --parallel")
+    if args.optimizer != ["adamw"] and args.mode != ["train-step"]:
+        p.error(f"--optimizer is the train step's: use --mode train-step (got {','.join(args.mode)})")
     if "hf" in args.impl:
         if args.parallel != "none":
             p.error("--impl hf is the one-GPU peer; drop --parallel")
@@ -238,63 +237,45 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
             import transformers  # noqa: F401
         except ImportError:
             p.error("--impl hf needs transformers: pip install transformers")
-    cli.check_at_least(p, args, 1, "batch_size", "steps")
-    cli.check_at_least(p, args, 0, "warmup")
-    cli.check_at_least(p, args, 1, "vocab_size", "profile_steps", "snapshot_steps")
-
-    custom = {"--d-model": args.d_model, "--n-layers": args.n_layers, "--n-heads": args.n_heads, "--d-ff": args.d_ff}
-    given = [k for k, v in custom.items() if v is not None]
-    if given and len(given) < len(custom):
-        missing = [k for k in custom if k not in given]
-        p.error(f"a custom size needs all of --d-model --n-layers --n-heads --d-ff; missing {' '.join(missing)}")
-    sizes = _split(args.sizes) if args.sizes else ([] if given else ["small"])
-    args.sizes = _choices(p, "--sizes", sizes, list(PRESETS) + (["custom"] if given else []), "size") if sizes else []
-    if given and "custom" not in args.sizes:
-        args.sizes.append("custom")
-    args.configs = {}
-    shared = {"vocab_size": args.vocab_size, "fp32_weight_grads": args.weight_grads == "fp32"}
-    for size in args.sizes:
-        try:
-            if size == "custom":
-                args.configs[size] = ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                                                 d_ff=args.d_ff, **shared)
-            else:
-                args.configs[size] = config_for(size, **shared)
-        except ValueError as e:
-            p.error(f"size {size!r}: {e}")
-
-    device = cli.check_device(p, args.device, args.parallel)
-    for recipe in args.fp8:
-        for dtype in args.dtype:
-            for cfg in args.configs.values():  # only a custom --d-model can miss fp8's multiple of 16
-                if (reason := fp8.problem(recipe, device, dtype, args.parallel, cfg.d_model)) is not None:
-                    p.error(reason)
-    # The step itself: ours through training.step, never clipped (grad_clip None), as --overlap-optimizer needs.
-    cli.check_step_flags(p, device, args.parallel, args.dtype, args.cuda_graph != "off",
-                         args.overlap_optimizer != "off", optim_state_dtypes=args.optim_state_dtype)
-    if args.optim_state_dtype != ["fp32"] and args.mode != ["train-step"]:
-        p.error(f"--optim-state-dtype is the train step's optimizer: use --mode train-step "
-                f"(got {','.join(args.mode)})")
-    args.device = device
-    if args.nvtx:
-        reason = nvtx.unavailable()
-        if reason:
-            p.error(f"--nvtx: {reason}")
-    if args.memory_snapshot:
-        reason = snapshot_unavailable(device)
-        if reason:
-            p.error(reason)
-    args.world_size = 1
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
+                               ("--warmup", args.warmup, 0), ("--vocab-size", args.vocab_size, 1),
+                               ("--profile-steps", args.profile_steps, 1), ("--snapshot-steps", args.snapshot_steps, 1)):
+        if value < least:
+            p.error(f"{flag} must be >= {least}, got {value}")
+    if args.nvtx and (reason := nvtx.unavailable()):
+        p.error(f"--nvtx: {reason}")
+    if args.memory_snapshot and (reason := snapshot_unavailable(args.device)):
+        p.error(reason)
     if args.parallel != "none":
         for flag, value in (("--profile", args.profile), ("--memory-snapshot", args.memory_snapshot),
                             ("--explain-memory", args.explain_memory)):
             if value:
                 p.error(f"{flag} is for one device; drop --parallel (profile the one-GPU configuration)")
-        cli.check_dist_timeout(p, args)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the list flags and reject bad values with one line naming the problem (exit status 2); every row's
+    training configuration goes through training.config.resolve, as train.py's does."""
+    args.context_lengths = _positive_ints(p, "--context-lengths", _split(args.context_lengths))
+    args.attn = _choices(p, "--attn", _split(args.attn), [b.name for b in list_attention()], "attention backend")
+    args.dtype = _choices(p, "--dtype", _split(args.dtype), list(PRECISIONS), "dtype")
+    args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
+    args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
+    args.fp8 = _choices(p, "--fp8", _split(args.fp8), list(fp8.RECIPES), "fp8 recipe")
+    args.optimizer = _choices(p, "--optimizer", _split(args.optimizer), optimizer_names(), "optimizer")
+    try:
+        args.device = parse_device(args.device, args.parallel)
+    except ConfigError as e:
+        p.error(str(e))
+    _check_bench_flags(p, args)
+    args.models = _models(p, args)
+    args.world_size = 1
+    if args.parallel != "none":
         try:
             _, args.world_size, _ = distributed.launch_env(args.parallel, script="bench_model.py")
         except DistributedError as e:
             p.error(str(e))
+    args.points = sweep_points(p, args)
     return args
 
 
@@ -302,35 +283,43 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = check_args(p, p.parse_args(argv))
+    if args.out is None:
+        args.out = str(Path("runs/bench_model") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     launcher = ["python"] if args.parallel == "none" else ["torchrun", "--nproc-per-node", str(args.world_size)]
     args.command = shlex.join([*launcher, "bench_model.py", *argv])  # recorded in results.md
     return args
 
 
-def sweep_points(args: argparse.Namespace) -> list[Point]:
-    """Every configuration, in the order they run: size, backend, dtype, compile, context, mode, and ours's
-    settings."""
-    on_off = {"off": [False], "on": [True], "both": [False, True]}  # --compile and --cuda-graph
-    compiles, graphs = on_off[args.compile], on_off[args.cuda_graph]
-    overlaps, ropes, gate_ups = on_off[args.overlap_optimizer], on_off[args.fused_rope], on_off[args.fused_gate_up]
-    fp32_residuals = {"fp32": [True], "autocast": [False], "both": [True, False]}[args.residual]
-    # The peer has its own attention (SDPA) and is compiled whole, as a user would: one row per other setting.
+def point_config(args: argparse.Namespace, model: ModelConfig, attn: str, dtype: str, compile_: bool, graph: bool,
+                 fp8_recipe: str, optimizer: str) -> Config:
+    """A row's training configuration: train.py's, timed without clipping (the optimizer then overlaps the backward
+    wherever it can), resolved by the same function; the batch is per GPU."""
+    config = Config(model=model).replace(
+        execution={"attn": attn, "dtype": dtype, "compile": compile_, "cuda_graph": graph, "fp8": fp8_recipe,
+                   "parallel": args.parallel, "device": str(args.device)},
+        optim={"optimizer": optimizer, "grad_clip": 0.0},
+        data={"batch_size": args.batch_size * args.world_size})
+    return resolve(config, world_size=args.world_size).config
+
+
+def sweep_points(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Point]:
+    """Every configuration, in the order they run: size, implementation and backend, dtype, compile, context,
+    mode, CUDA graph, float8, optimizer. The peer has its own attention (SDPA) and optimizer (AdamW)."""
+    on_off = {"off": [False], "on": [True], "both": [False, True]}
     variants = [("ours", attn) for attn in args.attn if "ours" in args.impl] + [("hf", "sdpa")] * ("hf" in args.impl)
-    # The overlapped optimizer is ours: the peer keeps its plain AdamW step.
-    return [
-        Point(size, replace(args.configs[size], attn=attn, context_length=t, fused_rope=rope, fp32_residual=fp32_res,
-                            fused_gate_up=gate_up),
-              args.batch_size, dtype, comp, mode, "model" if impl == "hf" else args.compile_scope, impl, graph, overlap,
-              fp8, state)
-        for size in args.sizes for impl, attn in variants for dtype in args.dtype for comp in compiles
-        for t in args.context_lengths for mode in args.mode for graph in graphs
-        for overlap in (overlaps if impl == "ours" else [False])
-        for fp8 in (args.fp8 if impl == "ours" else ["off"])
-        for state in (args.optim_state_dtype if impl == "ours" else ["fp32"])
-        for rope in (ropes if impl == "ours" else [True])
-        for fp32_res in (fp32_residuals if impl == "ours" else [True])
-        for gate_up in (gate_ups if impl == "ours" else [True])
-    ]
+    points = []
+    for (size, model), (impl, attn), dtype, comp, t, mode, graph in itertools.product(
+            args.models.items(), variants, args.dtype, on_off[args.compile], args.context_lengths, args.mode,
+            on_off[args.cuda_graph]):
+        ours = impl == "ours"
+        for recipe, optimizer in itertools.product(args.fp8 if ours else ["off"], args.optimizer if ours else ["adamw"]):
+            try:
+                config = point_config(args, dataclasses.replace(model, context_length=t), attn, dtype, comp, graph,
+                                      recipe, optimizer)
+            except (ConfigError, ValueError) as e:
+                p.error(str(e))
+            points.append(Point(size, config, args.batch_size, mode, impl))
+    return points
 
 
 # --- one training step, timed phase by phase --------------------------------------------------------------
@@ -400,23 +389,15 @@ class Runner:
         return times
 
 
-def step_config(point: Point) -> StepConfig:
-    """The point's training step: train.py's recipe and AdamW, timed without gradient clipping or the gradient
-    norm, so that rows with and without --overlap-optimizer (which cannot clip) time the same work."""
-    return StepConfig(precision=point.dtype, compile=point.compile, compile_scope=point.compile_scope,
-                      overlap_optimizer=point.overlap_optimizer, cuda_graph=point.cuda_graph, grad_norm=False,
-                      fp8=point.fp8, optim_state_dtype=point.optim_state_dtype,
-                      optimizer=OptimizerConfig(grad_clip=0.0))
-
-
 def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] = None) -> Runner:
     """The model built on `device` (no CPU init of a 2.7B model) and its step from training.step.build_step: the
-    same recipe as train.py (compile, DDP/FSDP wrap under a distributed `ctx`, AdamW, CUDA graph)."""
+    same recipe as train.py (compile, DDP/FSDP wrap under a distributed `ctx`, optimizer, CUDA graph), timed without
+    the gradient norm."""
     with device:
-        model = HFLlama(point.cfg) if point.impl == "hf" else TransformerLM(point.cfg)
-    if point.compile:
+        model = HFLlama(point.cfg) if point.impl == "hf" else TransformerLM(point.cfg, point.attn)
+    if point.config.execution.compile:
         torch._dynamo.reset()  # fresh caches: no recompile limit or automatic-dynamic shapes across points
-    return Runner(point, build_step(model, step_config(point), ctx, graph_warmup=GRAPH_WARMUP))
+    return Runner(point, build_step(model, point.config, ctx, grad_norm=False))
 
 
 def random_batch(point: Point, device: torch.device, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,18 +412,14 @@ def random_batch(point: Point, device: torch.device, generator: torch.Generator)
 
 
 def base_row(point: Point, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = point.cfg
+    cfg, ex = point.cfg, point.config.execution
     row: dict[str, Any] = {c: None for c in COLUMNS}
     row.update(size=point.size, params=param_count(cfg),  # = num_params(), also for rows that never built it
-               d_model=cfg.d_model, n_layers=cfg.n_layers,
-               n_heads=cfg.n_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
-               batch_size=point.batch_size, impl=point.impl, attn=cfg.attn, dtype=point.dtype, compile=point.compile,
-               mode=point.mode, cuda_graph=point.cuda_graph, overlap_optimizer=point.overlap_optimizer,
-               fp8=point.fp8, optim_state_dtype=point.optim_state_dtype,
-               fused_rope=cfg.fused_rope if point.impl == "ours" else None,
-               fp32_residual=cfg.fp32_residual if point.impl == "ours" else None,
-               fused_gate_up=cfg.fused_gate_up if point.impl == "ours" else None, warmup=args.warmup,
-               steps=args.steps)
+               d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
+               vocab_size=cfg.vocab_size, context_length=cfg.context_length, batch_size=point.batch_size,
+               impl=point.impl, attn=ex.attn, dtype=ex.dtype, compile=ex.compile, mode=point.mode,
+               cuda_graph=ex.cuda_graph, overlap_optimizer=point.overlapped, fp8=ex.fp8,
+               optimizer=point.config.optim.optimizer, warmup=args.warmup, steps=args.steps)
     if args.parallel != "none":
         row.update({c: None for c in PARALLEL_COLUMNS}, parallel=args.parallel, world_size=args.world_size)
     return row
@@ -466,33 +443,17 @@ def throughput(point: Point, total_ms: float, device: torch.device, n_devices: i
             "mfu": None if util is None else (util / 3 if point.mode == "forward" else util)}
 
 
-def run_point(point: Point, args: argparse.Namespace, single: bool,
-              ctx: Optional[DistContext] = None) -> dict[str, Any]:
-    """Warm up, time `--steps` steps, then (as asked) profile, snapshot and explain memory. Returns the figures.
-
-    With a distributed `ctx`, this rank's figures for the wrapped model on its own random batch.
-    """
-    device = args.device
-    torch.manual_seed(args.seed)  # the same weights on every rank
-    if point.mode in SAMPLING_MODES:
-        # context_length is the prompt (prefill) or the KV cache (decode); a step makes a token per sequence.
-        dtype = torch.bfloat16 if point.dtype == "bf16" else torch.float32
-        figures = sampling_figures(point.mode, point.impl, point.cfg, point.batch_size, point.context_length, dtype,
-                                   point.compile, device, args.steps, args.warmup)
-        peak = peak_allocated_bytes(device)
-        return {"status": "ok", **figures, "peak_mem_gib": None if peak is None else peak / GIB}
-    generator = torch.Generator().manual_seed(args.seed + (ctx.rank if ctx else 0))  # each rank its own tokens
-    runner = build_runner(point, device, ctx)
-    ids, targets = random_batch(point, device, generator)
-
+def time_steps(runner: Runner, ids: torch.Tensor, targets: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, then time --steps steps phase by phase: their means and deviations, tokens/s, MFU, peak memory."""
+    device, graphed = args.device, runner.point.config.execution.cuda_graph
     with nvtx.range("warmup"):
         for i in range(args.warmup):
-            if point.cuda_graph and i == GRAPH_WARMUP:
+            if graphed and i == GRAPH_WARMUP:
                 # From the capture on: a replay allocates nothing (its memory is the graph's pool, taken during
                 # capture), so a peak reset after capture would miss the activations.
                 reset_peak_memory(device)
             runner.step(ids, targets)
-    if not point.cuda_graph:
+    if not graphed:
         reset_peak_memory(device)
     per_phase: dict[str, list[float]] = {}
     for i in range(args.steps):
@@ -500,14 +461,19 @@ def run_point(point: Point, args: argparse.Namespace, single: bool,
             for phase, ms in runner.step(ids, targets).items():
                 per_phase.setdefault(phase, []).append(ms)
     peak = peak_allocated_bytes(device)
-
     figures: dict[str, Any] = {"status": "ok"}
     for phase, times in per_phase.items():
         stats = summarize(times)
         figures[f"{phase}_ms_mean"], figures[f"{phase}_ms_std"] = stats.mean_ms, stats.std_ms
-    figures.update(throughput(point, figures["total_ms_mean"], device))
+    figures.update(throughput(runner.point, figures["total_ms_mean"], device))
     figures["peak_mem_gib"] = None if peak is None else peak / GIB
+    return figures
 
+
+def profile_point(runner: Runner, ids: torch.Tensor, targets: torch.Tensor, args: argparse.Namespace,
+                  single: bool) -> None:
+    """--profile and --memory-snapshot over a few more steps, with what they found printed."""
+    point, device = runner.point, args.device
     if args.profile:
         out = _output_path(Path(args.profile), point, single)
         runner.annotate = True
@@ -519,23 +485,46 @@ def run_point(point: Point, args: argparse.Namespace, single: bool,
                    f"table {result.table_path}")
     if args.memory_snapshot:
         path = _output_path(Path(args.memory_snapshot), point, single, suffix=".pickle")
-        with record_memory_history(path, max_entries=args.snapshot_max_entries):
+        with record_memory_history(path):
             for _ in range(args.snapshot_steps):
                 runner.step(ids, targets)
             synchronize(device)
         tqdm.write(format_peak(peak_report(pickle.loads(path.read_bytes()), device.index or 0), top=12))
         tqdm.write(f"memory snapshot: {path} (drag it onto {VIEWER_URL}, or python -m profiling.memory_snapshot)")
+
+
+def run_point(point: Point, args: argparse.Namespace, single: bool,
+              ctx: Optional[DistContext] = None) -> dict[str, Any]:
+    """Warm up, time `--steps` steps, then (as asked) profile, snapshot and explain memory. Returns the figures.
+
+    With a distributed `ctx`, this rank's figures for the wrapped model on its own random batch.
+    """
+    device, ex = args.device, point.config.execution
+    torch.manual_seed(args.seed)  # the same weights on every rank
+    if point.mode in SAMPLING_MODES:
+        # context_length is the prompt (prefill) or the KV cache (decode); a step makes a token per sequence.
+        dtype = torch.bfloat16 if ex.dtype == "bf16" else torch.float32
+        figures = sampling_figures(point.mode, point.impl, point.cfg, point.batch_size, point.context_length, dtype,
+                                   ex.compile, device, args.steps, args.warmup, attn=ex.attn)
+        peak = peak_allocated_bytes(device)
+        return {"status": "ok", **figures, "peak_mem_gib": None if peak is None else peak / GIB}
+    generator = torch.Generator().manual_seed(args.seed + (ctx.rank if ctx else 0))  # each rank its own tokens
+    runner = build_runner(point, device, ctx)
+    ids, targets = random_batch(point, device, generator)
+    figures = time_steps(runner, ids, targets, args)
+    profile_point(runner, ids, targets, args, single)
     if args.explain_memory and point.impl == "ours":  # the accounting describes our model
-        figures["explanation"] = explain_point(point, runner, ids, targets, peak)
+        figures["explanation"] = explain_point(point, runner, ids, targets, figures["peak_mem_gib"])
         tqdm.write(figures["explanation"])
     return figures
 
 
 def explain_point(point: Point, runner: Runner, ids: torch.Tensor, targets: torch.Tensor,
-                  measured_peak: Optional[int]) -> str:
+                  measured_peak_gib: Optional[float]) -> str:
     """The expected-bytes table beside the measured peak and the measured bytes autograd saved (eager forward)."""
-    breakdown = explain_memory(point.cfg, point.batch_size, point.context_length, point.dtype, point.mode,
-                               device_type=runner.device.type, optim_state_dtype=point.optim_state_dtype)
+    ex = point.config.execution
+    breakdown = explain_memory(point.cfg, point.batch_size, point.context_length, ex.dtype, point.mode,
+                               device_type=runner.device.type, attn=ex.attn, optimizer=point.config.optim.optimizer)
     measured: list[tuple[str, Optional[int]]] = []
     if point.mode != "forward":
         # A compiled model saves what inductor chose; the accounting describes the eager model (force_eager also
@@ -546,7 +535,8 @@ def explain_point(point: Point, runner: Runner, ids: torch.Tensor, targets: torc
         state = sum(s.nbytes for s in breakdown.state[0].terms if "autocast" in s.name)
         measured.append(("measured: saved for backward, eager (incl. autocast weight copies)", saved))
         measured.append(("  expected, same terms", breakdown.saved_bytes + state))
-    measured.append(("measured: peak allocated over the timed steps", measured_peak))
+    peak = None if measured_peak_gib is None else int(measured_peak_gib * GIB)
+    measured.append(("measured: peak allocated over the timed steps", peak))
     return format_breakdown(breakdown, measured)
 
 
@@ -554,8 +544,8 @@ def measure(point: Point, args: argparse.Namespace, single: bool, ctx: Optional[
     """The row of one configuration: its figures, or OOM / unsupported / error with the reason."""
     row = base_row(point, args)
     unavailable = {s.name: s.reason for s in list_attention() if not s.available}
-    if point.cfg.attn in unavailable:
-        row.update(status="unsupported", message=unavailable[point.cfg.attn])
+    if point.attn in unavailable:
+        row.update(status="unsupported", message=unavailable[point.attn])
         return row
     try:
         outcome = call_catching_oom(lambda: run_point(point, args, single, ctx), label=point.label)
@@ -577,6 +567,7 @@ def measure_parallel(point: Point, args: argparse.Namespace, ctx: DistContext) -
     rank with the wrapped model. Every rank must call it; the row is complete on rank 0."""
     baseline = None
     if ctx.is_main:  # the other ranks wait at the barrier meanwhile
+        # The same config (its optimizer not overlapped, as under DDP) on the plain model of one process.
         baseline = measure(point, replace_parallel(args), single=False)
     distributed.barrier(ctx)
     row = measure(point, args, single=False, ctx=ctx)
@@ -609,15 +600,40 @@ def replace_parallel(args: argparse.Namespace) -> argparse.Namespace:
 
 def explain_precision(args: argparse.Namespace) -> None:
     """--explain-precision: benchmarking/precision_report.py's tables for each size and dtype, printed."""
-    for size in args.sizes:
+    for size, model_config in args.models.items():
         for dtype in args.dtype:
             for recipe in args.fp8:
                 torch.manual_seed(args.seed)
-                model = TransformerLM(dataclasses.replace(args.configs[size], attn=args.attn[0])).to(args.device)
+                model = TransformerLM(model_config, args.attn[0]).to(args.device)
                 if recipe != "off":
                     fp8.convert(model, recipe, args.device)
                 title = f"{size}{f', --fp8 {recipe}' if recipe != 'off' else ''}"
                 print(f"# {title}\n\n{precision_report.report(model, dtype, args.device)}\n")
+
+
+def sweep(points: list[Point], args: argparse.Namespace, ctx: DistContext) -> tuple[list[dict[str, Any]], bool]:
+    """Measure every point; (rows, whether a Ctrl-C or SIGTERM ended it early). results.csv holds the rows so far."""
+    say = tqdm.write if ctx.is_main else _quiet  # rank 0 alone prints and writes files
+    rows: list[dict[str, Any]] = []
+    progress = Progress(len(points), "bench_model", unit="config", every_s=60.0, enabled=ctx.is_main)
+    try:  # Ctrl-C or SIGTERM (a time limit) ends the sweep early; the rows so far are still written
+        with sigterm_as_interrupt():
+            for point in points:
+                progress.report(point.label)
+                row = (measure_parallel(point, args, ctx) if ctx.is_distributed
+                       else measure(point, args, single=len(points) == 1))
+                rows.append(row)
+                if ctx.is_main:
+                    progress.write(summary_line(row, point.label))
+                progress.update(1)
+                if ctx.is_main:
+                    report.write_csv(rows, Path(args.out) / "results.csv", columns=columns_for(args))
+        return rows, False
+    except KeyboardInterrupt:
+        note_interrupted(len(rows), len(points))
+        return rows, True
+    finally:
+        progress.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
@@ -630,35 +646,17 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     ranks = contextlib.ExitStack()
     try:
         ctx = ranks.enter_context(join_ranks(args))
-        say = tqdm.write if ctx.is_main else _quiet  # rank 0 alone prints and writes files
-        points = sweep_points(args)
+        say = tqdm.write if ctx.is_main else _quiet
         env = environment_info(args.device)
-        say(f"bench_model: {len(points)} configurations on {describe(env)}"
-            f"{f', {args.parallel} over {ctx.world_size} ranks' if ctx.is_distributed else ''}")
-        rows = []
-        try:  # Ctrl-C or SIGTERM (a time limit) ends the sweep early; the rows so far are still written
-            with sigterm_as_interrupt():
-                bar = tqdm(points, desc="bench_model", unit="config", disable=args.no_progress or not ctx.is_main,
-                           dynamic_ncols=True)
-                for point in bar:
-                    bar.set_postfix_str(point.label)
-                    row = (measure_parallel(point, args, ctx) if ctx.is_distributed
-                           else measure(point, args, single=len(points) == 1))
-                    rows.append(row)
-                    say(summary_line(row, point.label))
-                    if ctx.is_main:
-                        report.write_csv(rows, Path(args.out) / "results.csv", columns=columns_for(args))
-            interrupted = False
-        except KeyboardInterrupt:
-            note_interrupted(len(rows), len(points))
-            interrupted = True
+        say(f"bench_model: {len(args.points)} configurations on {describe(env)}"
+            f"{f', {args.parallel} over {ctx.world_size} ranks' if ctx.is_distributed else ''}; writing {args.out}")
+        rows, interrupted = sweep(args.points, args, ctx)
         if ctx.is_main:
             paths = write_outputs(rows, args, env)
             if args.wandb:
                 images = {name: p for name, p in paths.items() if name.endswith(".png")}
-                report.log_wandb(rows, mode=args.wandb, project=args.wandb_project, run_name="bench_model",
-                                 images=images, config=run_config(args),
-                                 environment=env, directory=Path(args.out))
+                report.log_wandb(rows, mode=args.wandb, project="flash-lm", run_name="bench_model", images=images,
+                                 config=run_config(args), environment=env, directory=Path(args.out))
             say(f"wrote {', '.join(str(p) for p in paths.values())}")
         if interrupted:
             raise SystemExit(130)  # the files hold the rows so far; the status says the sweep is incomplete
@@ -675,8 +673,7 @@ def join_ranks(args: argparse.Namespace) -> Iterator[DistContext]:
         yield DistContext(device=args.device)
         return
     try:
-        ctx = distributed.init(args.parallel, str(args.device), args.batch_size * args.world_size, args.dist_timeout,
-                               script="bench_model.py")
+        ctx = distributed.init(args.parallel, str(args.device), BENCH_DIST_TIMEOUT_S, script="bench_model.py")
     except DistributedError as e:
         print(f"{distributed.error_prefix(args.parallel)}error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -16,107 +16,84 @@ from typing import Optional
 
 import torch
 
-from attention import UnknownBackendError, backend_names
-from model import ModelConfig, TransformerLM
-from training import checkpoint_files, cli, sharded_checkpoint
-from training.dataset import DataMismatchError, check_same_tokenizer, load_run_data
-from training.distributed import DistContext
-from training.evaluation import Evaluation, evaluate, sampled_batches, sequential_batches
-from training.precision import DTYPES, autocast
-from training.prepared import PreparedDataError
-from training.tokenizer import TokenizerError
+from attention import UnknownBackendError
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.inference import load_model, open_checkpoint, run_config_of
+from training.cli import OneLineParser, add_field
+from training.config import ConfigError, resolve
+from training.data import DataError, open_source
+from training.data.record import check_same_tokenizer
+from training.data.sampling import Sampler, sequential_batches
+from training.data.tokenizer import TokenizerError
+from training.evaluation import Evaluation, evaluate
+from training.precision import autocast
+from training.progress import Progress
+from training.run.failures import run_main
 
+EXPECTED = (ConfigError, CheckpointError, DataError, TokenizerError, UnknownBackendError, FileNotFoundError)
 
-class EvaluationError(RuntimeError):
-    """A checkpoint or data that cannot be evaluated; main() prints the one-line message and exits 1."""
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run's output directory (its newest checkpoint) or a checkpoint file")
     p.add_argument("--data", help="data to evaluate on, as train.py's --data; default: the run's")
     p.add_argument("--split", choices=["val", "train"], default="val", help="which split of the data")
     p.add_argument("--full", action="store_true", help="every token of the split once, in consecutive windows")
     p.add_argument("--batch-size", type=int, help="sequences per batch; default: the run's")
     p.add_argument("--eval-batches", type=int, help="batches to score (without --full); default: the run's")
-    p.add_argument("--dtype", choices=list(DTYPES), help="compute precision; default: the run's")
-    p.add_argument("--attn", help="attention backend; default: the run's")
-    cli.add_device_flag(p)
+    for name in ("dtype", "attn", "device"):
+        add_field(p, "execution", name, shown=True, dest=name, help=f"as train.py's --{name}; default: "
+                  + ("bf16 on CUDA, fp32 on the CPU" if name == "dtype" else "the run's" if name == "attn" else
+                     "cuda if available, else cpu"))
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     return p
 
 
-def load_checkpoint(run: Path) -> tuple[Path, dict]:
-    """(path, state) of a checkpoint file, or of the newest checkpoint of a run directory that loads."""
-    if run.is_dir():
-        if not checkpoint_files.candidates(run):
-            if not (run / sharded_checkpoint.DCP_DIR_NAME).exists():
-                raise EvaluationError(f"no checkpoint in {run}")
-            raise EvaluationError(f"{run} holds only a sharded FSDP checkpoint; make one file of it with "
-                                  f"`python -m training.consolidate {run / sharded_checkpoint.DCP_DIR_NAME} "
-                                  f"{run}/consolidated.pt --model-only` and pass that file")
-        try:
-            return checkpoint_files.load_newest(run)
-        except checkpoint_files.CheckpointError as e:
-            raise EvaluationError(str(e)) from None
-    if not run.is_file():
-        raise EvaluationError(f"no checkpoint at {run}")
-    try:
-        return run, checkpoint_files.load_named(run)
-    except checkpoint_files.CheckpointError as e:
-        raise EvaluationError(str(e)) from None
-
-
 def run_evaluation(args: argparse.Namespace) -> tuple[Evaluation, dict]:
-    path, state = load_checkpoint(Path(args.run))
-    saved = state["args"]
-    attn = args.attn or state["model_config"]["attn"]
-    if attn not in backend_names():
-        raise EvaluationError(f"unknown --attn {attn!r}; valid: {', '.join(backend_names())}")
-    cfg = ModelConfig(**{**state["model_config"], "attn": attn})
-    spec = args.data if args.data is not None else saved.get("data")
+    for name in ("batch_size", "eval_batches"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    path, state = open_checkpoint(Path(args.run))
+    run = run_config_of(state)
+    asked = run.replace(execution={"attn": args.attn or run.execution.attn, "dtype": args.dtype,
+                                   "device": args.device, "compile": False, "cuda_graph": False, "parallel": "none",
+                                   "fp8": "off", "activation_checkpointing": False, "grad_accum_steps": 1},
+                        data={"batch_size": args.batch_size or run.data.batch_size, "pack_documents": False})
+    config = resolve(asked, training=False, world_size=1).config
+    device = torch.device(config.execution.device)
+    spec = args.data if args.data is not None else run.data.data
     # A run's byte cache lives next to its output directory (train.py's <out>/../.token_cache).
-    data = load_run_data(spec, path.parent.parent / ".token_cache", cfg.context_length,
-                         synthetic_vocab=saved.get("vocab_size") or 10_000, seed=saved["seed"])
-    check_same_tokenizer(path.parent, data, spec)
-    if data.vocab_size is not None and data.vocab_size > cfg.vocab_size:
-        raise DataMismatchError(f"{spec or 'the built-in corpus'} has a vocabulary of {data.vocab_size} tokens, the "
-                                f"checkpoint's model {cfg.vocab_size}: it was trained on other tokens")
-
-    device = torch.device(args.device)
-    with device:
-        model = TransformerLM(cfg)
-    model.load_state_dict(state["model"])
-    model.eval()
-    tokens = data.val if args.split == "val" else data.train
-    batch_size = args.batch_size or saved["batch_size"]
+    source = open_source(spec, config.model.context_length, path.parent.parent / ".token_cache",
+                         run.data.vocab_size, run.run.seed)
+    check_same_tokenizer(path.parent, source, spec)
+    if source.vocab_size is not None and source.vocab_size > config.model.vocab_size:
+        raise DataError(f"{spec or 'the built-in corpus'} has a vocabulary of {source.vocab_size} tokens, the "
+                        f"checkpoint's model {config.model.vocab_size}: it was trained on other tokens")
+    model = load_model(path, state, config.model, config.execution.attn, device).eval()
+    tokens = source.split(args.split)
+    batch_size = config.data.batch_size
     if args.full:
-        batches = sequential_batches(tokens, batch_size, cfg.context_length, device)
+        batches = sequential_batches(tokens, batch_size, config.model.context_length, device)
+        total = -(-(len(tokens) - 1) // config.model.context_length // batch_size)
     else:
-        batches = sampled_batches(tokens, batch_size, cfg.context_length, args.eval_batches or saved["eval_batches"],
-                                  saved["seed"], DistContext(device=device))
-    token_bytes = None if data.token_bytes is None else torch.as_tensor(data.token_bytes, device=device)
-    precision = args.dtype or saved.get("dtype", "fp32")
+        total = args.eval_batches or run.run.eval_batches
+        batches = Sampler(source, batch_size, config.model.context_length, run.run.seed, device=device).val(
+            total, args.split)
+    token_bytes = None if source.token_bytes is None else torch.as_tensor(source.token_bytes, device=device)
+    progress = Progress(total, "evaluate", unit="batch", every_s=10.0)
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with autocast(device, precision):
+        progress.update(1)
+        with autocast(device, config.execution.dtype):
             return model(x, y)
 
     result = evaluate(loss, batches, token_bytes)
-    return result, {"checkpoint": str(path), "step": state["step"], "data": data.description, "split": args.split}
+    progress.close()
+    return result, {"checkpoint": str(path), "step": state["step"], "data": source.description, "split": args.split}
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    for name in ("batch_size", "eval_batches"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    cli.check_device(parser, args.device)
-    try:
-        result, about = run_evaluation(args)
-    except (EvaluationError, DataMismatchError, PreparedDataError, TokenizerError, FileNotFoundError, ValueError,
-            UnknownBackendError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+
+def report(args: argparse.Namespace) -> int:
+    result, about = run_evaluation(args)
     figures = {"loss": result.loss, "perplexity": result.perplexity, "bpb": result.bpb, "tokens": result.tokens}
     if args.json:
         print(json.dumps({**about, **figures}))
@@ -125,6 +102,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{about['checkpoint']} (step {about['step']}), {about['split']} split of {about['data']}:")
     print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, {bpb} ({result.tokens:,} tokens)")
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_main(lambda: report(args), EXPECTED)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,15 +15,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from training.prepared import PreparedDataError, Settings, prepare
-from training.text_corpus import CorpusError, resolve
-from training.tokenizer import BYTE_VOCAB, KINDS, TokenizerError
+from training.cli import OneLineParser
+from training.data.corpus import CorpusError, resolve
+from training.data.prepare import Settings, prepare
+from training.data.prepared import PreparedDataError
+from training.data.tokenizer import BYTE_VOCAB, KINDS, TokenizerError
 
 DEFAULTS = Settings()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", nargs="?", help="text file or directory of text files; default: the built-in corpus")
     p.add_argument("--out", help="prepared directory to write; default: data/<input name>-<tokenizer>")
     p.add_argument("--tokenizer", choices=KINDS, default=DEFAULTS.tokenizer,

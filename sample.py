@@ -15,36 +15,28 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-from attention import backend_names, why_not_decode
-from model import ModelConfig, TransformerLM
+from attention import UnknownBackendError, backend_names, why_not_decode
+from model import ModelConfig
 from model.generation import Decoder, Sampling, for_inference, generate
-from training import checkpoint_files, dataset, sharded_checkpoint
-from training.precision import DTYPES
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.inference import load_model, open_checkpoint, run_config_of
+from training.cli import OneLineParser, add_field
+from training.config import DTYPES, ConfigError, default_dtype, parse_device
+from training.data import DataError
+from training.data.record import run_tokenizer
+from training.data.tokenizer import ByteTokenizer, TokenizerError
+from training.run.failures import run_main
 
-
-class SampleError(RuntimeError):
-    """Cannot sample as asked; main() prints the one-line message and exits 1."""
-
-
-class ByteTokenizer:
-    """UTF-8 bytes are the tokens (train.py's text data); ids >= 256 (a model with a larger vocabulary) decode to
-    nothing."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+EXPECTED = (ConfigError, CheckpointError, DataError, TokenizerError, UnknownBackendError, ValueError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/train", help="the run's directory (default: %(default)s)")
     p.add_argument("--ckpt", type=Path, help="a checkpoint file instead of the run's newest (a consolidated FSDP "
                                              "checkpoint too)")
@@ -55,88 +47,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="sample from the most likely tokens holding probability p")
     p.add_argument("--num-samples", type=int, default=1, help="samples, one after another")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=list(DTYPES),
-                   help="weights and KV cache (default: bf16 on CUDA, fp32 on the CPU)")
-    p.add_argument("--attn", help="attention backend (default: the run's, or sdpa if it has no decode path)")
+    add_field(p, "execution", "device", shown=True, dest="device")
+    add_field(p, "execution", "dtype", shown=True, dest="dtype", help="weights and KV cache (default: bf16 on CUDA, fp32 on the CPU)")
+    add_field(p, "execution", "attn", shown=True, dest="attn", help="attention backend (default: the run's, or sdpa if it has no "
+                                                       "decode path)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (and replay it as a CUDA graph on CUDA)")
+                   help="torch.compile the decode step (and replay it as a CUDA graph on CUDA); pays on GPUs, not "
+                        "on the CPU")
     return p
 
 
-def load_state(out: Path, ckpt: Optional[Path], warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
-    """(path, checkpoint) of --ckpt, else of the run's newest checkpoint that loads."""
-    if ckpt is not None:
-        if not ckpt.is_file():
-            raise SampleError(f"no checkpoint file {ckpt}")
-        try:
-            return ckpt, checkpoint_files.load_named(ckpt)
-        except checkpoint_files.CheckpointError as e:
-            raise SampleError(str(e)) from None
-    if not out.is_dir():
-        raise SampleError(f"no run at {out} (train one with `python train.py --out {out}`, or pass --ckpt FILE)")
-    if not checkpoint_files.candidates(out):
-        dcp = out / sharded_checkpoint.DCP_DIR_NAME
-        if dcp.exists():
-            raise SampleError(f"{out} holds only a sharded FSDP checkpoint; make one file of it with `python -m "
-                              f"training.consolidate {dcp} {out}/consolidated.pt --model-only` and pass --ckpt")
-        raise SampleError(f"no checkpoint in {out}")
-    try:
-        return checkpoint_files.load_newest(out, warn)
-    except checkpoint_files.CheckpointError as e:
-        raise SampleError(str(e)) from None
-
-
-def model_config(path: Path, state: dict[str, Any]) -> ModelConfig:
-    if "model_config" not in state or "model" not in state:
-        raise SampleError(f"{path} is not a checkpoint of train.py (it has no model_config or model)")
-    return ModelConfig(**state["model_config"])
-
-
-def build_model(path: Path, state: dict[str, Any], cfg: ModelConfig) -> TransformerLM:
-    """The checkpoint's model with its weights; a state dict of another shape is a SampleError."""
-    model = TransformerLM(cfg)
-    expected = model.state_dict()
-    for name, tensor in state["model"].items():
-        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
-            raise SampleError(f"checkpoint {path} holds another model shape than its config says: {name} is "
-                              f"{tuple(tensor.shape)} in the file, {tuple(expected[name].shape)} for d_model "
-                              f"{cfg.d_model}, n_heads {cfg.n_heads}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}")
-    missing = sorted(set(expected) - set(state["model"]))
-    unexpected = sorted(set(state["model"]) - set(expected))
-    if missing or unexpected:
-        raise SampleError(f"checkpoint {path} holds another model shape than its config says "
-                          f"({cfg.n_layers} layers): missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.load_state_dict(state["model"])
-    return model
-
-
-def pick_attention(cfg: ModelConfig, asked: Optional[str], dtype: torch.dtype, device: torch.device) -> str:
+def pick_attention(cfg: ModelConfig, run_attn: str, asked: Optional[str], dtype: torch.dtype,
+                   device: torch.device) -> str:
     """The backend to sample with: --attn, else the run's when it can decode here (with the model's GQA, window and
     softcap), else sdpa, else naive."""
     if asked is not None and asked not in backend_names():
-        raise SampleError(f"unknown --attn {asked!r}; valid: {', '.join(backend_names())}")
+        raise ConfigError(f"unknown --attn {asked!r}; valid: {', '.join(backend_names())}")
     q = torch.zeros(1, cfg.n_heads, 1, cfg.d_head, dtype=dtype, device=device)
     k = torch.zeros(1, cfg.kv_heads, cfg.context_length, cfg.d_head, dtype=dtype, device=device)
     variant = {"window": cfg.window, "softcap": cfg.attn_softcap}
-    name = asked or cfg.attn
+    name = asked or run_attn
     reason = why_not_decode(name, q, k, k, 1, **variant)
     if reason is None:
         return name
     for fallback in ([] if asked else ["sdpa", "naive"]):
         if why_not_decode(fallback, q, k, k, 1, **variant) is None:
             return fallback
-    raise SampleError(f"attention backend {name!r} cannot decode here: {reason}")
+    raise ConfigError(f"attention backend {name!r} cannot decode here: {reason}")
 
 
 def encode_prompt(tokenizer, text: str, cfg: ModelConfig, warn: Callable[[str], None]) -> list[int]:
     if not text:
-        raise SampleError("the prompt is empty (pass --prompt TEXT)")
+        raise ConfigError("the prompt is empty (pass --prompt TEXT)")
     ids = tokenizer.encode(text)
     outside = [(i, t) for i, t in enumerate(ids) if t >= cfg.vocab_size]
     if outside:
         i, t = outside[0]
-        raise SampleError(f"the prompt's token {t} (at {i}) is outside the model's vocabulary of "
+        raise ConfigError(f"the prompt's token {t} (at {i}) is outside the model's vocabulary of "
                           f"{cfg.vocab_size} tokens")
     if len(ids) >= cfg.context_length:
         keep = cfg.context_length - 1  # room for at least one new token
@@ -167,9 +114,28 @@ class Stream:
         self.write(text[self.shown:])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def load(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
+    """(model, tokenizer, the end-of-document id or None, the prompt's ids, a line saying what runs), all checked."""
+    if args.max_new_tokens < 1 or args.num_samples < 1:
+        raise ConfigError("--max-new-tokens and --num-samples must be >= 1")
+    device = parse_device(args.device)
+    precision = args.dtype or default_dtype(device)
+    path, state = open_checkpoint(args.ckpt or Path(args.out), say)
+    run = run_config_of(state)
+    attn = pick_attention(run.model, run.execution.attn, args.attn, DTYPES[precision], device)
+    if attn != run.execution.attn and args.attn is None:
+        say(f"the run's attention backend {run.execution.attn!r} cannot decode here; sampling with {attn!r}")
+    model = for_inference(load_model(path, state, run.model, attn, device), DTYPES[precision])
+    # The tokenizer of the run's prepared data (recorded beside its checkpoints); bytes for text data.
+    recorded = run_tokenizer(path.parent)
+    tokenizer = recorded or ByteTokenizer()
+    prompt = encode_prompt(tokenizer, args.prompt, model.cfg, say)
+    about = (f"{path} (step {state.get('step')}): {model.num_params() / 1e6:.1f}M parameters, attention {attn}, "
+             f"{precision} on {device}")
+    return model, tokenizer, None if recorded is None else recorded.eod_id, prompt, about
 
+
+def sample(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
@@ -177,35 +143,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    try:
-        if args.max_new_tokens < 1 or args.num_samples < 1:
-            raise SampleError("--max-new-tokens and --num-samples must be >= 1")
-        sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise SampleError("--device cuda, but no CUDA GPU is available (pass --device cpu)")
-        precision = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-        path, state = load_state(Path(args.out), args.ckpt, say)
-        cfg = model_config(path, state)
-        attn = pick_attention(cfg, args.attn, DTYPES[precision], device)
-        if attn != cfg.attn and args.attn is None:
-            say(f"the run's attention backend {cfg.attn!r} cannot decode here; sampling with {attn!r}")
-        model = build_model(path, state, replace(cfg, attn=attn))
-        step = state.get("step")
-        del state
-        model = for_inference(model.to(device), DTYPES[precision])
-        # The tokenizer of the run's prepared data (recorded beside its checkpoints); bytes for text data.
-        run_tokenizer = dataset.run_tokenizer(path.parent)
-        tokenizer = run_tokenizer or ByteTokenizer()
-        stop_token = None if run_tokenizer is None else run_tokenizer.eod_id  # the end of a document
-        prompt = encode_prompt(tokenizer, args.prompt, model.cfg, say)
-    except (SampleError, ValueError, dataset.DataMismatchError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    say(f"{path} (step {step}): {model.num_params() / 1e6:.1f}M parameters, attention {attn}, {precision} on "
-        f"{device}")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    model, tokenizer, stop_token, prompt, about = load(args, say)
+    say(about)
+    device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(args.seed)
     budget = min(args.max_new_tokens, model.cfg.context_length - len(prompt))
+    if args.compile:
+        say("compiling the decode step (the first token waits for it)" + (
+            "; on the CPU compiled decoding is no faster than eager" if device.type == "cpu" else ""))
     decoder = Decoder(model, 1, max(len(prompt), len(prompt) + budget - 1), compile=args.compile)
     for i in range(args.num_samples):
         if i:
@@ -221,6 +167,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if out.hit_context:
             say(f"stopped at the model's context of {model.cfg.context_length} tokens (the window does not slide)")
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_main(lambda: sample(args), EXPECTED)
 
 
 if __name__ == "__main__":

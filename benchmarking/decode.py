@@ -61,11 +61,12 @@ def _timing(times_ms: list[float], batch: int, nbytes: int) -> DecodeTiming:
     return DecodeTiming(ms, stats.std_ms, batch / (ms * 1e-3), nbytes, nbytes / (ms * 1e-3))
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> TransformerLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                attn: str = "sdpa") -> TransformerLM:
     """A randomly initialised model for timing, built on `device` (no CPU init of a 2.7B model)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = TransformerLM(cfg)
+        model = TransformerLM(cfg, attn)
     return for_inference(model, dtype)
 
 
@@ -162,10 +163,10 @@ def time_attention_decode(name: str, batch: int, heads: int, cache_len: int, d_h
 
 
 def sampling_figures(mode: str, impl: str, cfg: ModelConfig, batch: int, cache_len: int, dtype: torch.dtype,
-                     compile: bool, device: torch.device, steps: int, warmup: int) -> dict:
+                     compile: bool, device: torch.device, steps: int, warmup: int, attn: str = "sdpa") -> dict:
     """bench_model.py's figures of a prefill or decode configuration: a prefill of `cache_len` prompt tokens per
     sequence, or decode steps against a cache of `cache_len`; impl "ours" or "hf" (the Hugging Face peer)."""
-    model = build_model(replace(cfg, context_length=cache_len + warmup + steps + 1), dtype, device)
+    model = build_model(replace(cfg, context_length=cache_len + warmup + steps + 1), dtype, device, attn=attn)
     if mode == "prefill":
         stats = time_prefill(model, batch, cache_len, steps, warmup, hf=impl == "hf")
         return {"total_ms_mean": stats.mean_ms, "total_ms_std": stats.std_ms,

@@ -63,6 +63,7 @@ class MemoryBreakdown:
     state: list[MemorySection]  # parameters, gradients, optimizer state, autocast weight copies
     saved: list[MemorySection]  # activations saved for backward
     transient: MemorySection  # the working set alive at the peak on top of the above
+    attn: str = "sdpa"  # the attention backend: those that materialise the scores save them
 
     @property
     def state_bytes(self) -> int:
@@ -99,18 +100,21 @@ def _check(dtype: str, mode: str, batch: int, seq: int) -> None:
         raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
 
 
-def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device_type: str = "cuda") -> MemorySection:
-    """What one Block saves for backward; `dtype` 'bf16' means autocast (matmul outputs in bf16)."""
+def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device_type: str = "cuda",
+                      attn: str = "sdpa") -> MemorySection:
+    """What one Block saves for backward; `dtype` 'bf16' means autocast (matmul outputs and the residual stream in
+    bf16)."""
     B, T, d, h, f = batch, seq, cfg.d_model, cfg.n_heads, cfg.d_ff
     a = BF16 if dtype == "bf16" else FP32  # bytes of a matmul input/output
     btd, a_name = B * T * d, "a"
     sec = MemorySection(f"activations saved per layer (x {cfg.n_layers} layers)", repeat=cfg.n_layers)
-    sec.add("block input x (residual stream, fp32; attn RMSNorm input)", 4 * btd, "B*T*d*4")
+    sec.add(f"block input x (residual stream, {'bf16' if a == BF16 else 'fp32'}; attn RMSNorm input)", a * btd,
+            f"B*T*d*{a_name}")
     sec.add("attn RMSNorm: x*rsqrt (fp32) and rsqrt", 4 * btd + 4 * B * T, "B*T*d*4 + B*T*4")
     sec.add("qkv input (RMSNorm output" + (", bf16 cast)" if a == BF16 else ")"), a * btd, f"B*T*d*{a_name}")
     sec.add("RoPE'd q and k", 2 * a * btd, f"2*B*T*d*{a_name}")
     sec.add("v (its own copy, not a view that would keep the qkv output alive)", a * btd, f"B*T*d*{a_name}")
-    if cfg.attn in MATERIALISING_BACKENDS:
+    if attn in MATERIALISING_BACKENDS:
         sec.add("causal mask (bool)", T * T, "T^2")
         if a == BF16 and device_type == "cuda":
             # CUDA autocast runs softmax in fp32, then casts the probs to bf16 for probs @ v: both are saved.
@@ -124,9 +128,10 @@ def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device
         sec.add("attention output o (saved by the fused kernel; the out-proj input views it)", a * btd,
                 f"B*T*d*{a_name}")
         sec.add("softmax logsumexp (fp32)", 4 * B * h * T, "B*h*T*4")
-    sec.add("residual after attention (fp32; FFN RMSNorm input)", 4 * btd, "B*T*d*4")
+    sec.add(f"residual after attention ({'bf16' if a == BF16 else 'fp32'}; FFN RMSNorm input)", a * btd,
+            f"B*T*d*{a_name}")
     sec.add("FFN RMSNorm: x*rsqrt (fp32) and rsqrt", 4 * btd + 4 * B * T, "B*T*d*4 + B*T*4")
-    if a == BF16 and cfg.fused_gate_up and cfg.fp32_weight_grads:
+    if a == BF16:
         # One matmul for w1 and w3 (model.layers.SwiGLU): one bf16 cast of its input. On CUDA the activation's kernel
         # (model.fused_swiglu) saves the projection alone and recomputes silu in its backward.
         sec.add("w1/w3 input (RMSNorm output, one bf16 cast for their fused matmul)", a * btd, f"B*T*d*{a_name}")
@@ -158,10 +163,10 @@ def head_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> Memo
     return sec
 
 
-def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str,
-                   device_type: str = "cuda", optim_state_dtype: str = "fp32") -> MemoryBreakdown:
-    """The expected memory of one `mode` step of TransformerLM(cfg) on (batch, seq) tokens on `device_type`, with
-    AdamW's moments in `optim_state_dtype` (fp32 or bf16)."""
+def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str, device_type: str = "cuda",
+                   attn: str = "sdpa", optimizer: str = "adamw") -> MemoryBreakdown:
+    """The expected memory of one `mode` step of TransformerLM(cfg, attn) on (batch, seq) tokens on `device_type`,
+    with `optimizer` (adamw: fp32 moments; adamw-bf16: bf16 moments)."""
     _check(dtype, mode, batch, seq)
     P = param_count(cfg)
     B, T, V, h = batch, seq, cfg.vocab_size, cfg.n_heads
@@ -173,7 +178,7 @@ def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str
     if mode != "forward":
         state.add("gradients (fp32)", 4 * P, "P*4")
     if mode == "train-step":
-        if optim_state_dtype == "bf16":
+        if optimizer == "adamw-bf16":
             state.add("AdamW exp_avg and exp_avg_sq (bf16)", 4 * P, "2*P*2")
         else:
             state.add("AdamW exp_avg and exp_avg_sq (fp32)", 8 * P, "2*P*4")
@@ -188,17 +193,17 @@ def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str
         transient.add("logits" + (" (bf16) + fp32 cast" if a == BF16 else ""), logits + (4 * B * T * V if a == BF16 else 0),
                       "B*T*V*a (+ B*T*V*4)")
         transient.add("log-probs (fp32)", 4 * B * T * V, "B*T*V*4")
-        return MemoryBreakdown(cfg, B, T, dtype, mode, P, [state], [], transient)
+        return MemoryBreakdown(cfg, B, T, dtype, mode, P, [state], [], transient, attn)
 
-    saved = [layer_activations(cfg, B, T, dtype, device_type), head_activations(cfg, B, T, dtype)]
+    saved = [layer_activations(cfg, B, T, dtype, device_type, attn), head_activations(cfg, B, T, dtype)]
     # Start of backward: the gradient of the log-probs and of the logits (fp32; bf16 copy under autocast).
     transient.add("gradient of log-probs and of logits (fp32)", 8 * B * T * V, "2*B*T*V*4")
     if a == BF16:
         transient.add("gradient of logits, bf16 cast for the LM head", BF16 * B * T * V, "B*T*V*2")
-    if cfg.attn in MATERIALISING_BACKENDS:
+    if attn in MATERIALISING_BACKENDS:
         # Backward of one layer's attention holds grad(probs) and grad(scores) at once.
         transient.add("one layer's grad of probs and of scores (fp32)", 8 * B * h * T * T, "2*B*h*T^2*4")
-    return MemoryBreakdown(cfg, B, T, dtype, mode, P, [state], saved, transient)
+    return MemoryBreakdown(cfg, B, T, dtype, mode, P, [state], saved, transient, attn)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -213,7 +218,7 @@ def format_breakdown(mb: MemoryBreakdown, measured: Iterable[tuple[str, int | No
     cfg = mb.cfg
     lines = [
         f"Expected memory: d_model={cfg.d_model} n_layers={cfg.n_layers} n_heads={cfg.n_heads} d_ff={cfg.d_ff} "
-        f"vocab={cfg.vocab_size} attn={cfg.attn} | batch B={mb.batch} context T={mb.seq} | {mb.dtype} | {mb.mode}",
+        f"vocab={cfg.vocab_size} attn={mb.attn} | batch B={mb.batch} context T={mb.seq} | {mb.dtype} | {mb.mode}",
         f"P = {mb.param_count:,} parameters; a = {BF16 if mb.dtype == 'bf16' else FP32} bytes per matmul activation",
         "",
     ]

@@ -29,23 +29,18 @@ COLUMNS: dict[str, str] = {
     "impl": "ours (TransformerLM) or hf (the peer: transformers' LlamaForCausalLM, same sizes, SDPA attention)",
     "attn": "attention backend",
     "dtype": "fp32, or bf16 autocast with fp32 master weights",
-    "compile": "torch.compile on the model: per block and LM head + loss (--compile-scope blocks) or whole model",
-    "mode": "forward (no grad), forward-backward, or train-step (forward + backward + AdamW); prefill (a prompt of "
+    "compile": "torch.compile: each block and the LM head with the loss (ours), the whole model (the peer)",
+    "mode": "forward (no grad), forward-backward, or train-step (forward + backward + optimizer); prefill (a prompt of "
             "context_length tokens into the KV cache) or decode (a token per sequence against a cache of "
             "context_length), with weights in dtype",
     "cuda_graph": "train-step replayed as one CUDA graph (training.cuda_graph); its phases are then not split, and "
                   "peak memory counts from the capture on (a replay allocates nothing: it runs in the graph's pool)",
-    "overlap_optimizer": "AdamW stepped parameter by parameter during the backward, on a second stream "
-                         "(training.overlapped_optimizer); the backward phase then includes most of the optimizer",
+    "overlap_optimizer": "the optimizer stepped parameter by parameter during the backward, on a second stream "
+                         "(training/optim/overlapped.py; a train-step is timed without clipping, so in one process it "
+                         "does); the backward phase then includes most of the optimizer",
     "fp8": "off, or the blocks' Linear layers in float8 with tensorwise or rowwise scaling (training.fp8)",
-    "optim_state_dtype": "AdamW's moments: fp32 (torch.optim.AdamW, fused) or bf16 (training.adamw, which also "
-                         "writes the Linear weights' bf16 copies)",
-    "fused_rope": "ours: RoPE and the split of the qkv projection in Triton kernels (model.fused_rope; true) or in "
-                  "PyTorch ops (false); empty for the peer",
-    "fp32_residual": "ours: under bf16 autocast, the residual stream in fp32 (model.fp32_residual; true) or in bf16 "
-                     "(false, --residual autocast); empty for the peer",
-    "fused_gate_up": "ours: under bf16 autocast, SwiGLU's w1 and w3 as one matmul (model.fused_gate_up; true) or two "
-                     "(false, --fused-gate-up off); empty for the peer",
+    "optimizer": "ours: the optimizer by name (training/optim): adamw (fp32 moments, fused) or adamw-bf16 (bf16 "
+                 "moments that also write the Linear weights' bf16 copies); the peer: adamw",
     "status": "ok, OOM, unsupported (the backend cannot run it here) or error",
     **{f"{p}_ms_{s}": f"{p} time per step, ms ({'mean' if s == 'mean' else 'sample std'} over --steps)"
        for p in PHASES for s in ("mean", "std")},
@@ -75,9 +70,9 @@ def columns_for(args: argparse.Namespace) -> list[str]:
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings as JSON-friendly values (results.json, W&B config)."""
-    config = {k: v for k, v in vars(args).items() if k != "configs"}
+    config = {k: v for k, v in vars(args).items() if k != "models"}
     config["device"] = str(args.device)
-    config["configs"] = {k: c.to_dict() for k, c in args.configs.items()}
+    config["models"] = {k: c.to_dict() for k, c in args.models.items()}
     return config
 
 
@@ -95,15 +90,11 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         for phase in PHASES:
             d[phase] = _mean_std(r, phase)
         d["mfu_pct"] = None if r.get("mfu") is None else 100 * r["mfu"]
-        d["rope"] = {True: "fused", False: "torch"}.get(r.get("fused_rope"))
-        d["residual"] = {True: "fp32", False: "autocast"}.get(r.get("fp32_residual"))
-        d["gate_up"] = {True: "fused", False: "apart"}.get(r.get("fused_gate_up"))
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
         shown.append(d)
     columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn",
                "dtype": "dtype", "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph",
-               "overlap_optimizer": "opt overlap", "fp8": "fp8", "optim_state_dtype": "AdamW state", "rope": "RoPE",
-               "residual": "residual", "gate_up": "w1, w3", "forward": "forward ms", "backward": "backward ms",
+               "overlap_optimizer": "opt overlap", "fp8": "fp8", "optimizer": "optimizer", "forward": "forward ms", "backward": "backward ms",
                "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
@@ -143,12 +134,8 @@ def variant(row: dict[str, Any]) -> str:
     graph = " cuda-graph" if row.get("cuda_graph") else ""
     overlap = " opt-overlap" if row.get("overlap_optimizer") else ""
     fp8 = f" fp8={row['fp8']}" if row.get("fp8") not in (None, "off") else ""
-    state = f" opt-state={row['optim_state_dtype']}" if row.get("optim_state_dtype") not in (None, "fp32") else ""
-    rope = " rope=torch" if row.get("fused_rope") is False else ""
-    residual = " residual=autocast" if row.get("fp32_residual") is False else ""
-    gate_up = " gate-up=apart" if row.get("fused_gate_up") is False else ""
-    return (f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}{fp8}"
-            f"{state}{rope}{residual}{gate_up}")
+    optimizer = f" {row['optimizer']}" if row.get("optimizer") not in (None, "adamw") else ""
+    return f"{who} {row['dtype']} compile={'on' if row['compile'] else 'off'} {row['mode']}{graph}{overlap}{fp8}{optimizer}"
 
 
 def variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from model import TransformerLM
-from training.precision import DTYPES, autocast
+from training.config import DTYPES
+from training.precision import autocast
 
 ADDEND, TIMES = 0.01, 1000  # the accumulation experiment: 0.01 added 1000 times, 10 exactly
 
@@ -28,7 +29,8 @@ _WHY = {
     "blocks.0.attn": "the attention kernel runs in q's dtype, then the output matmul in autocast's",
     "blocks.0.ffn_norm": "RMSNorm: its input's dtype, the residual stream's",
     "blocks.0.ffn": "SwiGLU's three matmuls: autocast's dtype",
-    "blocks.0": "the residual stream: x + sublayer(x) promotes to the wider of the two, x's fp32",
+    "blocks.0": "the residual stream: autocast's dtype (the embeddings are cast once, then x + sublayer(x) adds two "
+                "tensors of that dtype); fp32 without autocast",
     "final_norm": "RMSNorm: the residual stream's dtype",
     "lm_head": "the logits: a matmul, autocast's dtype",
 }
@@ -61,9 +63,6 @@ def dtype_rows(model: TransformerLM, precision: str, device: torch.device | str,
              "why": "the master weights: the optimizer updates them in fp32 whatever the compute dtype"},
             _matmul_row(model, precision)]
     whys = dict(_WHY)
-    if not model.cfg.fp32_residual and precision != "fp32":
-        whys["blocks.0"] = ("the residual stream: autocast's dtype (--residual autocast casts the embeddings once, "
-                            "then x + sublayer(x) adds two tensors of that dtype)")
     rows += [{"tensor": f"output of {name}", "shape": str(tuple(t.shape)), "dtype": _name(t.dtype), "why": why}
              for name, why in whys.items() for t in [outputs[name]]]
     rows.append({"tensor": "loss", "shape": "()", "dtype": _name(loss.dtype),
@@ -95,9 +94,7 @@ def _grad_why(model: TransformerLM, precision: str, name: str) -> str:
     if name.endswith("qkv.weight"):
         if type(dict(model.named_modules())[name.removesuffix(".weight")]).__name__ == "Float8Linear":
             return "a float8 matmul's weight gradient, returned in the parameter's fp32"
-        if model.cfg.fp32_weight_grads:
-            return "written in fp32 by its own matmul (--weight-grads fp32, model/layers.py)"
-        return "computed in the low dtype, then cast to the parameter's fp32 (--weight-grads autocast)"
+        return "written in fp32 by its own matmul (model/layers.py), not rounded to the low dtype first"
     return "autograd returns a gradient in its parameter's dtype"
 
 

@@ -1,8 +1,8 @@
-"""Model configuration: a dataclass plus named size presets."""
+"""What the model is: a dataclass of its architecture, and named size presets. How it runs lives in training/config.py."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 
@@ -15,7 +15,6 @@ class ModelConfig:
     vocab_size: int = 10_000
     context_length: int = 1024
     rope_theta: float = 10_000.0
-    attn: str = "sdpa"  # attention backend name, looked up in the registry
     # Attention variants (attention/registry.py). n_kv_heads: key/value heads (GQA; None: n_heads). window: the
     # sliding window of the local layers; window_pattern says which layers are local (L) and global (G), repeated
     # over the layers: "LLLG" is three local then one global. attn_softcap: logit soft-capping of every layer.
@@ -23,41 +22,33 @@ class ModelConfig:
     window: Optional[int] = None
     window_pattern: str = "L"
     attn_softcap: Optional[float] = None
-    # Under bf16/fp16 autocast, Linear weight gradients come out of the matmul in fp32 (model/layers.py); False: as
-    # plain autocast, rounded to the low dtype and then cast. Changes no parameter, only how dW is computed.
-    fp32_weight_grads: bool = True
-    # On CUDA, q, k and v leave the fused projection with RoPE applied in one Triton kernel, and their gradients
-    # return in one (model/fused_rope.py); False: in PyTorch ops. Changes no parameter and no value beyond rounding.
-    fused_rope: bool = True
-    # Under bf16/fp16 autocast, the residual stream (the embeddings and each block's sums) stays fp32, as autocast
-    # leaves it (nanoGPT's numerics); False: it runs in the autocast dtype, as in a model whose weights are bf16
-    # (Megatron-LM's default, torchtitan's bf16 parameters). Changes no parameter; halves the bytes that each
-    # residual add and RMSNorm moves.
-    fp32_residual: bool = True
-    # Where Linear weight gradients are fp32 (above) under bf16/fp16 autocast, SwiGLU's w1 and w3 run as one matmul
-    # against their concatenated weights, forward and backward (model/layers.py); False: two. Changes no parameter
-    # and no value beyond rounding.
-    fused_gate_up: bool = True
 
     def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self) -> Optional[str]:
+        """The first rule the fields break, in their own names; None if they are consistent."""
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                return f"{name} must be >= 1, got {getattr(self, name)}"
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            return f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
         if self.d_head % 2:
-            raise ValueError(f"RoPE needs an even d_head, got d_model/n_heads = {self.d_head}")
+            return f"RoPE needs an even d_head, got d_model/n_heads = {self.d_head}"
         if self.n_kv_heads is not None and not (1 <= self.n_kv_heads <= self.n_heads
                                                 and self.n_heads % self.n_kv_heads == 0):
-            raise ValueError(f"n_kv_heads must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
+            return f"n_kv_heads must divide n_heads ({self.n_heads}), got {self.n_kv_heads}"
         if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+            return f"window must be >= 1, got {self.window}"
         if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
-            raise ValueError(f"window_pattern must be letters L (local) and G (global), got {self.window_pattern!r}")
+            return f"window_pattern must be letters L (local) and G (global), got {self.window_pattern!r}"
         if self.window is None and self.window_pattern != "L":
-            raise ValueError(f"window_pattern {self.window_pattern} needs window (the local layers' window)")
+            return f"window_pattern {self.window_pattern} needs window (the local layers' window)"
         if self.attn_softcap is not None and not self.attn_softcap > 0:
-            raise ValueError(f"attn_softcap must be > 0, got {self.attn_softcap}")
+            return f"attn_softcap must be > 0, got {self.attn_softcap}"
+        return None
 
     @property
     def d_head(self) -> int:
@@ -76,6 +67,12 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        """The config of a saved dict; keys this version does not know are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
 
 # name: (d_model, d_ff, n_layers, n_heads); small..2.7B as in the CS336 size table.
 PRESETS: dict[str, tuple[int, int, int, int]] = {
@@ -90,9 +87,18 @@ PRESETS: dict[str, tuple[int, int, int, int]] = {
 
 
 def config_for(size: str, **overrides) -> ModelConfig:
-    """The preset `size` with any field overridden, e.g. config_for("small", attn="flash")."""
+    """The preset `size` with any field overridden (None leaves the preset's), e.g. config_for("small", window=256)."""
     if size not in PRESETS:
         raise ValueError(f"unknown size {size!r}; valid: {', '.join(PRESETS)}")
     d_model, d_ff, n_layers, n_heads = PRESETS[size]
-    base = ModelConfig(d_model=d_model, d_ff=d_ff, n_layers=n_layers, n_heads=n_heads)
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    base = dict(d_model=d_model, d_ff=d_ff, n_layers=n_layers, n_heads=n_heads)
+    return ModelConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def preset_of(cfg: ModelConfig) -> Optional[str]:
+    """The name of the preset whose shape `cfg` has, or None."""
+    shape = (cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads)
+    return next((name for name, preset in PRESETS.items() if preset == shape), None)
+
+
+__all__ = ["ModelConfig", "PRESETS", "config_for", "preset_of"]

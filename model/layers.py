@@ -15,10 +15,9 @@ from model.fused_swiglu import silu_mul
 class _LowPrecisionLinear(torch.autograd.Function):
     """x W^T in a low dtype (bf16 or fp16) with the weight gradient accumulated and written in fp32 by its matmul.
 
-    Autocast's linear returns dW in the low dtype, and autograd then casts it to the fp32 parameter: a rounding of
-    dW to 8 mantissa bits (bf16) and a cast kernel per weight. Here the matmul writes fp32 (`torch.mm(out_dtype=)`,
-    CUDA): on the H100 the five Linears of a `large` block ran 4.9% less GPU time, with dW 600x closer to fp64.
-    Forward and dX are autocast's: the same low-dtype matmuls.
+    Autocast's linear returns dW in the low dtype, which autograd then casts to the fp32 parameter: a rounding of dW
+    to 8 mantissa bits (bf16) and a cast kernel per weight. Here the matmul writes fp32 (`torch.mm(out_dtype=)`),
+    which is both faster and closer to fp64 (results/README.md, design choices). Forward and dX are autocast's.
 
     Several weights with the same d_in are one matmul against their concatenation (the output features of each in
     turn): one dX matmul and one dW matmul for all, dW split back into a view per weight. `weight_copy`, when given,
@@ -72,14 +71,13 @@ def low_precision_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
 class Linear(nn.Module):
     """y = x W^T, no bias; W ~ truncated normal, std sqrt(2 / (d_in + d_out)), cut at +-3 std.
 
-    fp32_weight_grad: under bf16/fp16 autocast with an fp32 weight, dW comes out of its matmul in fp32
-    (_LowPrecisionLinear); otherwise, and always without autocast, this is F.linear.
+    Under bf16/fp16 autocast with an fp32 weight, dW comes out of its matmul in fp32 (_LowPrecisionLinear);
+    otherwise this is F.linear.
     """
 
-    def __init__(self, d_in: int, d_out: int, fp32_weight_grad: bool = True):
+    def __init__(self, d_in: int, d_out: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
-        self.fp32_weight_grad = fp32_weight_grad
         self.weight_copy: Optional[torch.Tensor] = None  # keep_weight_copy's
         self.reset_parameters()
 
@@ -88,9 +86,9 @@ class Linear(nn.Module):
         in each call; returned for the optimizer, which must rewrite it whenever it updates the weight
         (training/adamw.py). Loading a state dict into this layer (or a module holding it) refreshes it.
         storage: where the copy lives (the weight's shape, `dtype`), e.g. part of a tensor a fused matmul reads."""
-        if not (self.fp32_weight_grad and self.weight.dtype == torch.float32):
-            raise ValueError("a weight copy is read by the fp32-weight-gradient path only: this layer has "
-                             f"fp32_weight_grad={self.fp32_weight_grad} and a {self.weight.dtype} weight")
+        if self.weight.dtype != torch.float32:
+            raise ValueError(f"a weight copy is read by the fp32-weight-gradient path only: this layer has a "
+                             f"{self.weight.dtype} weight")
         if storage is None:
             self.weight_copy = self.weight.detach().to(dtype)
         elif storage.shape != self.weight.shape or storage.dtype != dtype:
@@ -113,11 +111,8 @@ class Linear(nn.Module):
         nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32_weight_grad:
-            y = low_precision_linear(x, (self.weight,), self.weight_copy)
-            if y is not None:
-                return y
-        return nn.functional.linear(x, self.weight)
+        y = low_precision_linear(x, (self.weight,), self.weight_copy)
+        return nn.functional.linear(x, self.weight) if y is None else y
 
     def extra_repr(self) -> str:
         return f"d_in={self.weight.shape[1]}, d_out={self.weight.shape[0]}"
@@ -155,18 +150,16 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x).
 
-    fused_gate_up: where w1 and w3 take the fp32-weight-gradient path (bf16/fp16 autocast), they run as one matmul
-    against their two weights concatenated, and so do their dX and dW matmuls; the parameters stay w1 and w3, and
-    each gets its own (view of the) gradient. One dX matmul also sums the two branches' input gradients in its
-    accumulator rather than in a pass over both.
+    Under bf16/fp16 autocast w1 and w3 run as one matmul against their two weights concatenated, and so do their dX
+    and dW matmuls; the parameters stay w1 and w3, each with its own (view of the) gradient. The one dX matmul also
+    sums the two branches' input gradients in its accumulator rather than in a pass over both.
     """
 
-    def __init__(self, d_model: int, d_ff: int, fp32_weight_grad: bool = True, fused_gate_up: bool = True):
+    def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.w1 = Linear(d_model, d_ff, fp32_weight_grad)
-        self.w2 = Linear(d_ff, d_model, fp32_weight_grad)
-        self.w3 = Linear(d_model, d_ff, fp32_weight_grad)
-        self.fused_gate_up = fused_gate_up
+        self.w1 = Linear(d_model, d_ff)
+        self.w2 = Linear(d_ff, d_model)
+        self.w3 = Linear(d_model, d_ff)
         self.gate_up_copy: Optional[torch.Tensor] = None  # keep_weight_copies': w1's and w3's copies, (2 d_ff, d_model)
 
     def keep_weight_copies(self, dtype: torch.dtype) -> dict[nn.Parameter, torch.Tensor]:
@@ -187,11 +180,10 @@ class SwiGLU(nn.Module):
         return self.w2(silu_mul(gate_up))
 
     def _gate_up(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """(w1 x, w3 x) side by side, (..., 2 d_ff), from one matmul; None where the two run apart (not fused, not
-        the fp32-weight-gradient path, or layers replaced, as by float8 training)."""
+        """(w1 x, w3 x) side by side, (..., 2 d_ff), from one matmul; None where the two run apart (no low-precision
+        autocast, or layers replaced, as by float8 training)."""
         w1, w3 = self.w1, self.w3
-        if not (self.fused_gate_up and type(w1) is Linear and type(w3) is Linear
-                and w1.fp32_weight_grad and w3.fp32_weight_grad):
+        if not (type(w1) is Linear and type(w3) is Linear):
             return None
         return low_precision_linear(x, (w1.weight, w3.weight), self.gate_up_copy)
 
@@ -200,9 +192,8 @@ class RotaryEmbedding(nn.Module):
     """Rotates pairs (x[2i], x[2i+1]) of q and k by angle pos * theta^(-2i/d_head), for positions < max_seq_len.
 
     The cos/sin tables are computed once, at construction, as non-persistent buffers (they follow the model's
-    device and stay out of checkpoints). Compiled code then loads them: computing them inside the compiled block
-    instead made Inductor evaluate pow and cos per element of q and k: 12 of the 76 GPU ms of a `large` training
-    step on the H100 went to those kernels (bench_model --profile).
+    device and stay out of checkpoints). Compiled code then loads them; computed inside a compiled block, Inductor
+    would evaluate pow and cos per element of q and k.
     """
 
     def __init__(self, d_head: int, theta: float = 10_000.0, max_seq_len: int = 2048):

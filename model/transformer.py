@@ -11,7 +11,7 @@ from torch import nn
 
 from attention import get_attention
 from model.config import ModelConfig
-from model.fused_rope import split_heads, split_rotate, split_rotate_reference
+from model.fused_rope import split_heads, split_rotate
 from model.kv_cache import KVCache, LayerCache
 from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -20,17 +20,18 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k; the kernel comes from the registry.
 
     With n_kv_heads < n_heads (GQA) the fused projection is (q: heads, k: kv heads, v: kv heads) * d_head wide, and
-    the backend gets k and v with their kv heads (never repeated). window: this layer's sliding window, or None.
+    the backend gets k and v with their kv heads (never repeated). window: this layer's sliding window, or None;
+    attn: the attention backend's name in the registry.
     """
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: Optional[int] = None, attn: str = "sdpa"):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
-        self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_heads * cfg.d_head, cfg.fp32_weight_grads)
-        self.out = Linear(cfg.d_model, cfg.d_model, cfg.fp32_weight_grads)
+        self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_heads * cfg.d_head)
+        self.out = Linear(cfg.d_model, cfg.d_model)
         self.rope = rope
-        self.attend = get_attention(cfg.attn)
-        self.split_rotate = split_rotate if cfg.fused_rope else split_rotate_reference
+        self.attn_name = attn
+        self.attend = get_attention(attn)
         # Only the variants in use reach the backend, so a plain model runs on every backend.
         self.variant = {name: value for name, value in (("window", window), ("softcap", cfg.attn_softcap))
                         if value is not None}
@@ -43,13 +44,12 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:  # sampling: RoPE at the cached positions, and the backend's decode attention
             q, k, v = split_heads(qkv, self.n_heads, self.n_kv_heads)
             return self.out(cache.attend(q, k, v, self.rope, self.attend, self.variant))
-        # q, k and v get storage of their own in (batch, seq, heads, d_head) order; the backend sees them as
-        # (batch, heads, seq, d_head) views of it. Own storage: v saved for backward as a view would keep the whole
-        # projection, q and k included, alive (0.7 GiB on `large` at b4 T1024). That order: attention outputs follow
-        # q's memory order (cuDNN and flash), so the "b s (h d)" below is a view, not a second copy of o next to
-        # the one the backend saves (0.35 GiB). Both measured with bench_model --memory-snapshot on the H100.
+        # q, k and v get storage of their own in (batch, seq, heads, d_head) order, seen by the backend as (batch,
+        # heads, seq, d_head) views. Own storage: v saved for backward as a view would keep the whole projection
+        # alive. That order: attention outputs follow q's memory order (cuDNN and flash), so "b s (h d)" below is a
+        # view, not a second copy of o beside the one the backend saves.
         cos, sin = rope_angles or self.rope.angles(x.shape[1])  # ([batch,] seq, d_head / 2)
-        q, k, v = self.split_rotate(qkv, self.n_heads, self.n_kv_heads, cos, sin)
+        q, k, v = split_rotate(qkv, self.n_heads, self.n_kv_heads, cos, sin)
         q, k, v = (einx.id("b s h d -> b h s d", t) for t in (q, k, v))
         if doc_ids is None:
             o = self.attend(q, k, v, causal=True, **self.variant)
@@ -61,12 +61,12 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """x + attn(norm(x)), then x + swiglu(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer: int = 0, attn: str = "sdpa"):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg, rope, cfg.layer_window(layer))
+        self.attn = CausalSelfAttention(cfg, rope, cfg.layer_window(layer), attn)
         self.ffn_norm = RMSNorm(cfg.d_model)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.fp32_weight_grads, cfg.fused_gate_up)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, doc_ids: Optional[torch.Tensor] = None,
                 rope_angles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -75,14 +75,21 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The LM of `cfg`, its attention computed by the registry's backend `attn` (how it runs, not what it is)."""
+
+    def __init__(self, cfg: ModelConfig, attn: str = "sdpa"):
         super().__init__()
         self.cfg = cfg
         rope = RotaryEmbedding(cfg.d_head, cfg.rope_theta, cfg.context_length)  # one pair of tables for all layers
         self.embed = Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, rope, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, rope, i, attn) for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model)
-        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.fp32_weight_grads)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
+
+    @property
+    def attn(self) -> str:
+        """The attention backend the blocks call."""
+        return self.blocks[0].attn.attn_name
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: Optional[KVCache] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -95,8 +102,10 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence of {ids.shape[-1]} tokens exceeds context_length {self.cfg.context_length}")
         x = self.embed(ids)
         device = x.device.type
-        if not self.cfg.fp32_residual and torch.is_autocast_enabled(device):
-            x = x.to(torch.get_autocast_dtype(device))  # then every x + sublayer(x) stays in autocast's dtype
+        if torch.is_autocast_enabled(device):
+            # The residual stream in autocast's dtype, as in a model with bf16 weights: half the bytes for each
+            # residual add and RMSNorm, with the same loss (results/README.md, design choices).
+            x = x.to(torch.get_autocast_dtype(device))
         if doc_ids is not None:
             angles = self.document_rope_angles(doc_ids)
             for block in self.blocks:

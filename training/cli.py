@@ -1,170 +1,206 @@
-"""Command-line flags that train.py and bench_model.py share, defined and checked once.
+"""The command line, built from the configuration tree (training/config.py): one flag per field, of the same name.
 
-Each script keeps its own defaults where its job differs (train.py's --batch-size is the global batch of a run,
-bench_model.py's the per-GPU batch of a timing), but a flag both accept is spelled, explained and validated here.
+    config, explicit = parse(argv)         # flags (and --config FILE, --resume's saved config) -> Config
+
+`--help` lists the main flags of each section; every other field is a flag of the same kind (`--log-every 1`,
+`--min-lr 1e-5`), listed in docs/training.md. Precedence: the defaults, then `--config FILE` (a JSON file of
+sections, such as a run's config.json) or, with --resume, the run's own config.json, then the flags given. A
+resumed run keeps its model: a flag that would change it is refused, naming the flag and both values.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-from typing import Optional
+import dataclasses
+import json
+import sys
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Iterable, NoReturn, Optional, Sequence
 
-import torch
+from model import PRESETS, ModelConfig, config_for
+from training.config import SECTIONS, Config, ConfigError
 
-from training import distributed
-from training.compilation import COMPILE_SCOPES
-from training.step import OptimizerConfig
+CONFIG_FILE = "config.json"  # in a run's directory: its resolved configuration
 
-_OPT = OptimizerConfig()
-
-
-def add_model_shape_flags(group: argparse._ArgumentGroup, what: str) -> None:
-    """--d-model --n-layers --n-heads --d-ff; `what` says how they apply ("override the preset's", "custom size:")."""
-    group.add_argument("--d-model", type=int, help=f"{what} width (d_model)")
-    group.add_argument("--n-layers", type=int, help=f"{what} number of blocks")
-    group.add_argument("--n-heads", type=int, help=f"{what} number of attention heads")
-    group.add_argument("--d-ff", type=int, help=f"{what} SwiGLU hidden size")
-
-
-def add_attention_variant_flags(group: argparse._ArgumentGroup) -> None:
-    """--n-kv-heads --window --window-pattern --attn-softcap (attention/registry.py's variants)."""
-    group.add_argument("--n-kv-heads", type=int,
-                       help="key/value heads: grouped-query attention (default: as many as --n-heads)")
-    group.add_argument("--window", type=int, help="sliding-window attention of this many keys in local layers")
-    group.add_argument("--window-pattern", default="L",
-                       help="local (L) and global (G) layers, repeated over the blocks, e.g. LLLG: three layers "
-                            "with --window, then one with full attention (default L: every layer)")
-    group.add_argument("--attn-softcap", type=float, help="cap attention scores at c * tanh(s / c) (Gemma 2: 50)")
-
-
-def add_weight_grads_flag(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--weight-grads", choices=["fp32", "autocast"], default="fp32",
-                       help="under bf16/fp16 autocast, Linear weight gradients written in fp32 by their matmul "
-                            "(default) or as plain autocast does (low dtype, then cast)")
+MODEL_HELP = {
+    "d_model": "width (default: the --size preset's)",
+    "n_layers": "number of blocks (default: the preset's)",
+    "n_heads": "attention heads (default: the preset's)",
+    "d_ff": "SwiGLU hidden size (default: the preset's)",
+    "context_length": "tokens per training sequence (the RoPE tables' length)",
+    "n_kv_heads": "key/value heads: grouped-query attention (default: as many as --n-heads)",
+    "window": "sliding-window attention of this many keys in the local layers",
+    "window_pattern": "local (L) and global (G) layers, repeated over the blocks, e.g. LLLG: three with --window, one "
+                      "with full attention",
+    "attn_softcap": "cap attention scores at c * tanh(s / c)",
+    "rope_theta": "RoPE base",
+}
+MODEL_MAIN = ("d_model", "n_layers", "n_heads", "context_length", "n_kv_heads", "window")
+DERIVED = {("model", "vocab_size")}  # set from the data (--vocab-size, the data's vocabulary), not by a flag of its own
+TITLES = {"model": "model (what it is)", "execution": "execution (how it runs)", "optim": "optimizer",
+          "data": "data", "run": "run"}
 
 
-def add_residual_flag(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--residual", choices=["fp32", "autocast"], default="fp32",
-                       help="under bf16/fp16 autocast, the residual stream in fp32 (default, as autocast leaves it) "
-                            "or in autocast's dtype (as a model with bf16 weights runs it): half the bytes for each "
-                            "residual add and RMSNorm")
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with errors as one line (no usage dump), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
-def add_fused_rope_flag(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--fused-rope", choices=["on", "off"], default="on",
-                       help="on CUDA, RoPE and the split of the qkv projection into heads in one Triton kernel each "
-                            "way (default on; off: PyTorch ops, which torch.compile fuses into three)")
+def _field_type(section: str, name: str) -> Any:
+    hint = typing.get_type_hints(SECTIONS[section])[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
-def add_fused_gate_up_flag(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--fused-gate-up", choices=["on", "off"], default="on",
-                       help="under bf16/fp16 autocast with fp32 weight gradients, SwiGLU's w1 and w3 as one matmul "
-                            "against their concatenated weights, forward and backward (default on; off: two)")
+def _meta(section: str, name: str) -> dict[str, Any]:
+    if section == "model":
+        return {"help": MODEL_HELP.get(name, ""), "main": name in MODEL_MAIN, "choices": None, "flag": None}
+    return dict({f.name: f.metadata for f in fields(SECTIONS[section])}[name])
 
 
-def add_compile_scope_flag(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
-                       help="what --compile compiles: blocks (each block, all reusing one graph, so compile time does "
-                            "not grow with depth, and the LM head with the loss, as torchtitan) or model (the whole "
-                            "model as one graph)")
+def add_field(group: argparse._ArgumentGroup, section: str, name: str, shown: Optional[bool] = None,
+              help: Optional[str] = None, dest: Optional[str] = None) -> None:
+    """The flag of one field, with its type, choices and help; dest "section.name" unless given (another script's
+    parser then reads it as args.<dest>, None when not given)."""
+    meta, kind = _meta(section, name), _field_type(section, name)
+    flag = "--" + (meta["flag"] or name).replace("_", "-")
+    shown = meta["main"] if shown is None else shown
+    text = (help or meta["help"]) if shown else argparse.SUPPRESS
+    dest = dest or f"{section}.{name}"
+    if kind is bool:
+        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=text)
+    else:
+        group.add_argument(flag, dest=dest, type=kind, choices=meta["choices"], help=text,
+                           metavar=None if meta["choices"] else name.split("_")[-1].upper())
 
 
-def add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
-    """AdamW's hyper-parameters, with training.step.OptimizerConfig's defaults."""
-    group.add_argument("--lr", type=float, default=_OPT.lr, help="peak learning rate")
-    group.add_argument("--weight-decay", type=float, default=_OPT.weight_decay,
-                       help="AdamW weight decay (matrices only)")
-    group.add_argument("--grad-clip", type=float, default=_OPT.grad_clip,
-                       help="clip the global gradient norm; 0 disables")
+def build_parser(prog: str, description: str) -> OneLineParser:
+    """train.py's parser: every field of the tree, the main ones listed, grouped by section."""
+    p = OneLineParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog="Every other field of the configuration is a flag of the same kind (e.g. --log-every 1 "
+                             "--min-lr 1e-5 --window-pattern LLLG); docs/training.md lists them all.")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(TITLES[section])
+        if section == "model":
+            group.add_argument("--size", choices=list(PRESETS), help="size preset (default small)")
+        for f in fields(cls):
+            if (section, f.name) not in DERIVED:
+                add_field(group, section, f.name)
+        if section == "run":
+            group.add_argument("--config", type=Path, help="a JSON file of sections to start from (a run's "
+                                                           "config.json, say), before the flags given")
+    return p
 
 
-# AdamW's moments: torch.optim.AdamW's fp32, or training.adamw's bf16 (training.step.StepConfig.optim_state_dtype).
-OPTIM_STATE_DTYPES = ("fp32", "bf16")
+def given_fields(namespace: argparse.Namespace) -> dict[tuple[str, str], Any]:
+    """{(section, field): value} of the flags given on the command line."""
+    return {tuple(k.split(".", 1)): v for k, v in vars(namespace).items() if "." in k}
 
 
-def add_optim_state_flag(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--optim-state-dtype", choices=OPTIM_STATE_DTYPES, default="fp32",
-                       help="AdamW's moments: fp32 (default, torch.optim.AdamW) or bf16 (training/adamw.py: 8 bytes a "
-                            "parameter less to move and keep; its update also writes the bf16 copy of each weight "
-                            "that the forward reads, and applies the clipping factor)")
-
-
-def add_device_flag(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                       help="torch device (default cuda if available, else cpu)")
-
-
-def add_parallel_flags(group: argparse._ArgumentGroup, parallel_help: str, timeout_s: float,
-                       timeout_help: str) -> None:
-    group.add_argument("--parallel", choices=distributed.PARALLEL_MODES, default="none", help=parallel_help)
-    group.add_argument("--dist-timeout", type=float, default=timeout_s, help=timeout_help)
-
-
-# ModelConfig's fields that train.py sets from flags of the same name.
-_CONFIG_FLAGS = ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "context_length", "n_kv_heads",
-                 "window_pattern", "window", "attn_softcap")
-
-
-def config_error_as_flags(message: str) -> str:
-    """ModelConfig's error with its field names spelled as the flags that set them ("n_kv_heads must divide n_heads"
-    -> "--n-kv-heads must divide --n-heads")."""
-    fields = "|".join(sorted(_CONFIG_FLAGS, key=len, reverse=True))
-    return re.sub(rf"\b({fields})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
-
-
-def check_at_least(p: argparse.ArgumentParser, args: argparse.Namespace, least: int, *names: str) -> None:
-    """Each named flag (dest names) must be >= least."""
-    for name in names:
-        value = getattr(args, name)
-        if value < least:
-            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-
-
-def check_device(p: argparse.ArgumentParser, device: str, parallel: str = "none") -> torch.device:
-    """The --device as a torch.device; a CUDA device without a visible GPU is an error."""
+def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The sections of a JSON config file, checked against the tree: unknown names are an error naming the file."""
     try:
-        parsed = torch.device(device)
-    except RuntimeError as e:
-        p.error(f"--device: {e}")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu"
-                f"{' (the ranks then talk over gloo)' if parallel != 'none' else ''}")
-    return parsed
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--config {path} is not a JSON file: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path} must hold an object of sections ({', '.join(SECTIONS)})")
+    for section, values in data.items():
+        if section not in SECTIONS or not isinstance(values, dict):
+            raise ConfigError(f"--config {path}: {section!r} is not a section ({', '.join(SECTIONS)})")
+        known = {f.name for f in fields(SECTIONS[section])}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown field {section}.{unknown[0]}")
+    return data
 
 
-def check_dist_timeout(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.dist_timeout <= 0:
-        p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+def apply(base: Config, values: dict[tuple[str, str], Any]) -> Config:
+    """`base` with the given (section, field) values; the model is checked once, whole, by resolve()."""
+    sections: dict[str, dict[str, Any]] = {}
+    for (section, name), value in values.items():
+        sections.setdefault(section, {})[name] = value
+    model = sections.pop("model", {})
+    config = base.replace(**sections)
+    if model:
+        config = dataclasses.replace(config, model=_unchecked_model({**config.model.to_dict(), **model}))
+    return config
 
 
-def check_step_flags(p: argparse.ArgumentParser, device: torch.device, parallel: str, precisions: list[str],
-                     cuda_graph: bool, overlap_optimizer: bool, grad_clip: Optional[float] = None,
-                     optim_state_dtypes: tuple[str, ...] | list[str] = ("fp32",)) -> None:
-    """The combinations training.step.build_step cannot build, named by their flags (exit status 2).
+def _unchecked_model(values: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig without its __post_init__ check, so that resolve() reports the problem with flag names."""
+    model = object.__new__(ModelConfig)
+    for f in fields(ModelConfig):
+        object.__setattr__(model, f.name, values.get(f.name, f.default))
+    return model
 
-    `precisions` are the --dtype values the run uses; `grad_clip` is None where the script never clips."""
-    if parallel == "fsdp" and "bf16" in optim_state_dtypes:
-        p.error("--optim-state-dtype bf16 updates whole parameters and their weight copies; --parallel fsdp shards "
-                "them: use --parallel ddp or the default fp32 state")
-    if parallel == "fsdp" and "fp16" in precisions:
-        p.error("--parallel fsdp supports --dtype bf16 or fp32 (fp16 would need a sharded gradient scaler)")
-    if "fp16" in precisions and device.type != "cuda":
-        p.error("--dtype fp16 needs a CUDA device (the gradient scaler is CUDA-only); use bf16 or fp32 on the CPU")
-    if overlap_optimizer:
-        if grad_clip is not None and grad_clip > 0:
-            p.error("--overlap-optimizer steps each parameter as soon as its gradient exists, before the global "
-                    "norm is known: add --grad-clip 0")
-        if parallel != "none":
-            p.error("--overlap-optimizer is for one process (DDP and FSDP reduce gradients after its hooks); "
-                    "drop --parallel")
-        if "fp16" in precisions:
-            p.error("--overlap-optimizer supports --dtype bf16 or fp32 (fp16's loss scale is checked for inf "
-                    "after the whole backward)")
-    if cuda_graph:
-        if device.type != "cuda":
-            p.error(f"--cuda-graph needs a CUDA device, got --device {device}")
-        if parallel != "none":
-            p.error("--cuda-graph is for one process; drop --parallel")
-        if "fp16" in precisions:
-            p.error("--cuda-graph supports --dtype bf16 or fp32 (fp16's gradient scaler checks for inf on the host)")
+
+def flatten(sections: dict[str, dict[str, Any]]) -> dict[tuple[str, str], Any]:
+    return {(s, k): v for s, values in sections.items() for k, v in values.items()}
+
+
+def saved_config(out: Path) -> Optional[dict[str, dict[str, Any]]]:
+    """The config.json a run wrote in `out`, or None (a run of an earlier version, or no run)."""
+    path = out / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return read_config_file(path)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--config ", "the run's ")) from None
+
+
+def check_resume_keeps_model(out: Path, saved: Config, asked: Config) -> None:
+    """A resumed run keeps its model: refuse a flag that changes it, naming the flag and both values."""
+    for f in fields(ModelConfig):
+        then, now = getattr(saved.model, f.name), getattr(asked.model, f.name)
+        if then != now and f.name != "vocab_size":
+            raise ConfigError(f"--{f.name.replace('_', '-')} {now} differs from the run in {out}, which has {then}: a "
+                              "resumed run keeps its model (drop the flag, or start a new run with another --out)")
+
+
+def parse(argv: Optional[Sequence[str]], prog: str = "train.py", description: str = "") -> tuple[Config, frozenset]:
+    """The Config the command line asks for, and the names of the fields it set (flags and --config)."""
+    ns = build_parser(prog, description).parse_args(argv)
+    given = given_fields(ns)
+    size = getattr(ns, "size", None)
+    if size is not None:
+        preset = config_for(size)
+        given = {**{("model", k): getattr(preset, k) for k in ("d_model", "d_ff", "n_layers", "n_heads")
+                    if ("model", k) not in given}, **given}
+    base, from_file = Config(), {}
+    if getattr(ns, "config", None) is not None:
+        from_file = flatten(read_config_file(ns.config))
+    resume = given.get(("run", "resume"), from_file.get(("run", "resume"), False))
+    if resume:
+        out = Path(given.get(("run", "out"), from_file.get(("run", "out"), base.run.out)))
+        saved = saved_config(out)
+        if saved is not None:
+            base = apply(base, flatten(saved))
+            asked = apply(base, {**from_file, **given})
+            check_resume_keeps_model(out, base, asked)
+            return asked.replace(run={"resume": True, "overwrite": False}), frozenset(k for _, k in given)
+    config = apply(base, {**from_file, **given})
+    return config, frozenset(k for _, k in [*from_file, *given])
+
+
+def write_config(config: Config, out: Path) -> None:
+    """The resolved config as `<out>/config.json` (atomically)."""
+    from training.run.files import write_atomic
+
+    text = json.dumps(config.to_dict(), indent=2) + "\n"
+    write_atomic(out / CONFIG_FILE, lambda f: f.write(text.encode()))
+
+
+def describe_sections(config: Config, names: Iterable[str] = ("model", "execution", "optim", "data", "run")) -> str:
+    """The config as one line per section, for the console."""
+    d = config.to_dict()
+    return "\n".join(f"  {name}: " + " ".join(f"{k}={v}" for k, v in d[name].items()) for name in names)

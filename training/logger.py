@@ -30,12 +30,15 @@ class MetricsLogger:
         self.path = out_dir / METRICS_FILE
         self._file = MetricsFile(self.path, append=append)
         self.wandb_run = None
+        self.wandb_dir: Optional[Path] = None  # an offline run's directory, for `wandb sync`
         if wandb_mode != "disabled":
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.wandb_run = wandb.init(project=project, dir=str(out_dir), mode=wandb_mode, config=config,
                                         name=run_name, reinit="finish_previous")
+            if wandb_mode == "offline":
+                self.wandb_dir = Path(self.wandb_run.dir).parent
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Raises training.metrics_file.MetricsError, naming the file, when the row cannot be written."""

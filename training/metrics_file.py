@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from training.files import write_atomic
+from training.run.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -1,4 +1,4 @@
-"""The compute precisions of train.py and bench_model.py: one name -> dtype table and the autocast that goes with it.
+"""The autocast and the gradient scaler that go with a compute precision (training.config.DTYPES names them).
 
 Every precision keeps fp32 master weights and optimizer state: bf16 and fp16 run the forward and backward under
 autocast, fp16 adds a gradient scaler (CUDA only), fp32 computes in fp32.
@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from training.config import DTYPES
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

@@ -13,15 +13,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
-from training.files import fsync_dir, remove_leftovers, temp_path
+from training.parallel import distributed
+from training.parallel.distributed import DistContext
+from training.run.files import fsync_dir, remove_leftovers, temp_path
 
 LOCK_NAME = ".lock"
 CHECKPOINT_PATTERNS = ("checkpoint.pt", "checkpoint-*.pt", "checkpoint_dcp")
@@ -230,6 +233,24 @@ def claim(out: Path, resume: bool, overwrite: bool, say: Callable[[str], None] =
         lock.release()
         raise
     return lock
+
+
+@contextlib.contextmanager
+def owned(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> Iterator[None]:
+    """Rank 0 holds --out's lock for the whole run (`claim`); every rank stops if it cannot take it."""
+    lock, error = None, None
+    if ctx.is_main:
+        try:
+            lock = claim(out, resume, overwrite)
+        except RunDirError as e:
+            error = e
+    if distributed.any_rank(error is not None, ctx):
+        raise error or RunDirError(f"rank 0 could not take {out}; its message says why")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def prepare(out: Path, overwrite: bool, say: Callable[[str], None] = _stderr) -> None:

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from training.checkpoint import CHECKPOINT_NAME as LEGACY_NAME
-from training.files import write_atomic
+from training.checkpoint.format import CHECKPOINT_NAME as LEGACY_NAME
+from training.run.files import write_atomic
 _NUMBERED = re.compile(r"checkpoint-(\d+)\.pt")
 
 

@@ -1,4 +1,4 @@
-"""Training on several processes through torch.distributed: process group, DDP / FSDP2 wrapping, metric collectives.
+"""Several processes through torch.distributed: the process group and the collectives the loop needs.
 
 Launch with `torchrun --nproc-per-node N train.py --parallel {ddp,fsdp} ...`. torchrun sets RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT; rank r drives GPU LOCAL_RANK over NCCL (or the CPU over gloo with
@@ -16,9 +16,7 @@ from typing import Iterator, Mapping, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-PARALLEL_MODES = ("none", "ddp", "fsdp")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -92,20 +90,14 @@ def check_backend(device: torch.device) -> str:
     raise DistributedError(f"--parallel supports cuda (nccl) and cpu (gloo) devices, not {device.type!r}")
 
 
-def init(parallel: str, device_arg: str, global_batch: int, timeout_s: float, script: str = "train.py") -> DistContext:
+def init(parallel: str, device_arg: str, timeout_s: float, script: str = "train.py") -> DistContext:
     """Join the process group torchrun set up; one process with no group when parallel is 'none'.
 
     `script` is the program named in the launch error (train.py, bench_model.py).
     """
-    if parallel not in PARALLEL_MODES:
-        raise DistributedError(f"unknown --parallel {parallel!r}; valid: {', '.join(PARALLEL_MODES)}")
     if parallel == "none":
         return DistContext(device=torch.device(device_arg))
     rank, world, _ = launch_env(parallel, script=script)
-    # Checked before joining the group: every rank fails the same way, so none waits for the others.
-    if global_batch % world:
-        raise DistributedError(f"--batch-size {global_batch} (the global batch) is not divisible by the world size "
-                               f"{world}; pass a multiple of {world}")
     device = local_device(device_arg, parallel)
     backend = check_backend(device)
     if device.type == "cuda":
@@ -123,10 +115,9 @@ def shutdown(ctx: DistContext) -> None:
 
 
 @contextmanager
-def process_group(parallel: str, device_arg: str, global_batch: int, timeout_s: float,
-            script: str = "train.py") -> Iterator[DistContext]:
+def process_group(parallel: str, device_arg: str, timeout_s: float, script: str = "train.py") -> Iterator[DistContext]:
     """init() ... shutdown(), the latter also when training raises."""
-    ctx = init(parallel, device_arg, global_batch, timeout_s, script)
+    ctx = init(parallel, device_arg, timeout_s, script)
     try:
         yield ctx
     finally:
@@ -191,35 +182,6 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def wrap_model(model: nn.Module, ctx: DistContext, dtype: torch.dtype) -> nn.Module:
-    """The module to call for training: the model itself, DistributedDataParallel, or the model fully sharded.
-
-    FSDP shards each block, then the root (embedding, final norm, LM head). Under bf16 the blocks compute in bf16
-    from all-gathered bf16 copies of fp32 master weights and reduce-scatter gradients in fp32. The model's
-    parameters must be identical on every rank (same seed): DDP broadcasts rank 0's, FSDP keeps each rank's shard.
-    """
-    if ctx.parallel == "none":
-        return model
-    if ctx.parallel == "ddp":
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    if ctx.parallel == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        if dtype == torch.float16:
-            raise DistributedError("--parallel fsdp supports --dtype bf16 or fp32 (fp16 would need a sharded gradient "
-                                   "scaler); use --dtype bf16")
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if dtype == torch.bfloat16 else MixedPrecisionPolicy())
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        return model
-    raise DistributedError(f"unknown --parallel {ctx.parallel!r}; valid: {', '.join(PARALLEL_MODES)}")
 
 
 def error_prefix(parallel: str, env: Mapping[str, str] = os.environ) -> str:

@@ -1,4 +1,4 @@
-"""AdamW with its moments in bf16: one kernel per parameter that also writes the weight's bf16 copy.
+"""`adamw-bf16`: AdamW with its moments in bf16, one kernel per parameter that also writes the weight's bf16 copy.
 
 An AdamW step is memory-bound. torch's fused kernel reads the fp32 weight, its gradient and both moments and writes
 the weight and the moments: 28 bytes per parameter. With bf16 moments that is 20. The same pass can also write the
@@ -7,11 +7,9 @@ would otherwise cast each weight again in every forward, 6 bytes in a kernel of 
 applied as the gradient is read, instead of in a pass over the gradients before the step.
 
 torch.optim's AdamW keeps its state in the parameters' dtype (its fused and foreach kernels refuse mixed dtypes), so
-this is an `Optimizer` of its own. On CUDA the update is a Triton kernel (training/adamw_kernel.py), which reads the
+this is an `Optimizer` of its own. On CUDA the update is a Triton kernel (adamw_bf16_kernel.py), which reads the
 step count, the learning rate and the clipping factor from device tensors, so that a CUDA graph can capture it;
-elsewhere the same update in torch ops (`_update`, also the kernel's reference in the tests). On the H100, a
-`large` model's step (969M parameters) takes 7.68 ms with bf16 moments and copies, against 10.29 ms for torch's
-fused fp32 step without copies.
+elsewhere the same update in torch ops (`_update`, also the kernel's reference in the tests).
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments), computed in fp32; only the
 stored moments are rounded to `state_dtype`. bf16 keeps 8 bits of mantissa: a moment changes as long as its update
@@ -26,6 +24,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 import triton
 from torch import nn
+
+from training.optim.registry import BETAS, EPS, OptimizerSettings, decay_groups, register
 
 
 def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -46,9 +46,7 @@ def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
         copy.copy_(p)
 
 
-# On the H100, a `large` model's step (969M parameters, bf16 moments and copies) in a sweep: 7.71 ms with blocks of 1024
-# elements and 4 warps, 92% of the 3.0 TB/s copy bandwidth; blocks of 2048 and 4096 took 7.77-7.89 ms.
-BLOCK, NUM_WARPS = 1024, 4
+BLOCK, NUM_WARPS = 1024, 4  # the fastest of a sweep: 92% of the copy bandwidth (docs/training.md)
 
 
 def _log2(beta: float) -> float:
@@ -59,7 +57,7 @@ def _launch(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
             step: torch.Tensor, lr: torch.Tensor, grad_scale: Optional[torch.Tensor], beta1: float, beta2: float,
             eps: float, weight_decay: float, copy: Optional[torch.Tensor]) -> None:
     """_update as one Triton kernel (training/adamw_kernel.py)."""
-    from training.adamw_kernel import adamw_step
+    from training.optim.adamw_bf16_kernel import adamw_step
 
     n = param.numel()
     # Without a scale, any pointer stands in for it: HAS_SCALE=False never reads it.
@@ -73,7 +71,7 @@ class AdamW(torch.optim.Optimizer):
     """AdamW(params, lr, betas, eps, weight_decay, state_dtype=torch.bfloat16, weight_copies={weight: copy}).
 
     weight_copies: low-precision copies (model.layers.Linear.keep_weight_copy) that each step rewrites from the
-    updated weight. `step(grad_scale=t)` multiplies every gradient by the 0-dim tensor t first (the clipping
+    updated weight. `step(clip_coef=t)` multiplies every gradient by the 0-dim tensor t first (the clipping
     coefficient), without a pass over the gradients of its own. Always capturable: the step count, the learning
     rate (if given as a tensor) and the scale stay on the device.
     """
@@ -91,7 +89,7 @@ class AdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         copies = weight_copies or {}
         own = [p for group in self.param_groups for p in group["params"]]
-        # Only this optimizer's parameters' copies (one optimizer per parameter under --overlap-optimizer).
+        # Only this optimizer's parameters' copies (one optimizer per parameter when stepped in the backward).
         self.weight_copies = {p: copies[p] for p in own if p in copies}
         for p in own:
             if not p.is_contiguous():
@@ -112,7 +110,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None,
-             grad_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+             clip_coef: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -126,7 +124,7 @@ class AdamW(torch.optim.Optimizer):
             # The kernel reads the learning rate on the device: a float one is filled there (a kernel launch, no
             # host-to-device copy to wait for).
             lr = lr.to(device) if isinstance(lr, torch.Tensor) else torch.full((), lr, device=device)
-            scale = None if grad_scale is None else grad_scale.to(device)
+            scale = None if clip_coef is None else clip_coef.to(device)
             update = _launch if device.type == "cuda" else _update
             beta1, beta2 = group["betas"]
             if any(p.grad.is_sparse for p in params):
@@ -161,3 +159,10 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32, copy=True)
         for group in self.param_groups:
             group["capturable"] = True
+
+
+@register("adamw-bf16", description="AdamW with bf16 moments; its update also writes the bf16 weight copies the "
+                                    "forward reads", steps_in_backward=True, shards=False, keeps_weight_copies=True)
+def build(model: nn.Module, params: list[nn.Parameter], s: OptimizerSettings) -> AdamW:
+    return AdamW(decay_groups(params, s.config.weight_decay), lr=s.lr, betas=BETAS, eps=EPS,
+                 state_dtype=torch.bfloat16, weight_copies=s.weight_copies)

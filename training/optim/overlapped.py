@@ -1,22 +1,13 @@
-"""AdamW stepped during the backward, on a second CUDA stream, each parameter as soon as its gradient is complete.
+"""An optimizer stepped during the backward, on a second CUDA stream, each parameter as soon as its gradient is final.
 
-A training step's optimizer is memory-bound (fused AdamW moves 28 bytes per fp32 parameter) and, run after the
-backward, it adds its whole time to the step: 10 of the 65 GPU ms of a `large` step on the H100, 36 of the 115 of
-a 2.7B one (`scripts/kernel_categories.py` on `bench_model.py --profile`). But a parameter's gradient is final as
-soon as autograd has accumulated it, and nothing later in the backward reads that parameter. So, as in PyTorch's
-optimizer-in-backward recipe (`Tensor.register_post_accumulate_grad_hook`, one optimizer per group of
-parameters), each partition (by default a single parameter; `step_partitions`) gets its own `torch.optim.AdamW` and
-steps as soon as its last gradient is accumulated. Here the step runs on a side stream, so it shares the GPU with the rest of the backward (the tails of its matmuls, its elementwise kernels) instead of
-following it; `step()` then makes the caller's stream wait for the side stream and steps whatever has not stepped.
-On the H100 that took 2.0 ms off a graphed `large` step (67.19 -> 65.16 ms) and 4.2 ms off a 2.7B one; `small`, with
-1.4 ms of AdamW, got 0.3 ms slower.
-
-Each parameter is updated by the same fused kernel with the same inputs as with one optimizer over all of them:
-the result is bitwise the same (tests/training/test_overlapped_optimizer.py). What it cannot do, and refuses:
-- gradient clipping by the global norm, or fp16's loss scaling: both need every gradient before any step;
-- accumulating gradients over several backward passes: a second backward before `step()` raises;
-- DDP and FSDP, which reduce the gradients after these hooks have run.
-`grad_norm()` still gives the global gradient norm, computed per partition on the side stream (`track_grad_norm`).
+Run after the backward, the memory-bound optimizer adds its whole time to the step. But a parameter's gradient is
+final once autograd has accumulated it, and nothing later in the backward reads that parameter. So, as in PyTorch's
+optimizer-in-backward recipe (`Tensor.register_post_accumulate_grad_hook`), each partition (a parameter of its own,
+`step_partitions`) gets its own optimizer and steps as soon as its gradient is accumulated, on a side stream that
+shares the GPU with the rest of the backward; `step()` makes the caller's stream wait for it and steps whatever has
+not stepped. Each parameter gets the same update as from one optimizer over all of them, bitwise
+(tests/training/optim/test_overlapped.py). It refuses what needs every gradient first: clipping by the global norm,
+fp16's loss scale, accumulation over several backward passes; and DDP and FSDP, which reduce gradients after its hooks.
 """
 
 from __future__ import annotations
@@ -31,8 +22,7 @@ from torch import nn
 
 def step_partitions(model: nn.Module) -> list[list[nn.Parameter]]:
     """The model's trainable parameters, each in a partition of its own: it steps as soon as its gradient is
-    accumulated. Measured on the H100 (graphed, compiled `large` and 2.7B steps), a partition per parameter hid 1.7
-    and 4.8 ms of AdamW, one partition per block only 1.0 and 4.0 ms."""
+    accumulated (a partition per parameter hid more of the optimizer than one per block, docs/training.md)."""
     return [[p] for p in model.parameters() if p.requires_grad]
 
 
@@ -47,8 +37,7 @@ class OverlappedOptimizer:
     (e.g. torch.optim.AdamW with the run's hyperparameters); use it as an optimizer: backward, then step()."""
 
     def __init__(self, partitions: Iterable[Sequence[nn.Parameter]],
-                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 track_grad_norm: bool = False):
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
         self.partitions = [list(part) for part in partitions]
         seen: set[int] = set()
         for part in self.partitions:
@@ -62,10 +51,8 @@ class OverlappedOptimizer:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two partitions (tied weights?)")
                 seen.add(id(p))
         self.optimizers = [make_optimizer(part) for part in self.partitions]
-        self.track_grad_norm = track_grad_norm
         self._waiting = [len(part) for part in self.partitions]  # gradients still to come, this backward
         self._stepped = [False] * len(self.partitions)
-        self._norms: list[Optional[torch.Tensor]] = [None] * len(self.partitions)
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         # The hooks reach the optimizer through a weak reference: a parameter holding it strongly would make a cycle
         # (parameter -> hook -> optimizer -> parameter) that keeps a dropped optimizer, its state and the model alive
@@ -103,14 +90,13 @@ class OverlappedOptimizer:
             self._step_now(i)
 
     def _step_now(self, i: int) -> None:
-        if self.track_grad_norm:
-            grads = [p.grad for p in self.partitions[i] if p.grad is not None]
-            self._norms[i] = torch.nn.utils.get_total_norm(grads) if grads else None
         self.optimizers[i].step()
 
-    def step(self) -> None:
+    def step(self, clip_coef: Optional[torch.Tensor] = None) -> None:
         """Finish the step: wait for the partitions stepped during the backward, step the rest (a partition some of
         whose parameters got no gradient steps here, skipping those parameters, as AdamW does)."""
+        if clip_coef is not None:
+            raise ValueError("an optimizer stepped during the backward cannot clip: its steps precede the norm")
         for device, side in self._side.items():
             torch.cuda.current_stream(device).wait_stream(side)
         for i, stepped in enumerate(self._stepped):
@@ -118,15 +104,6 @@ class OverlappedOptimizer:
                 self._step_now(i)
         self._waiting = [len(part) for part in self.partitions]
         self._stepped = [False] * len(self.partitions)
-
-    def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradients the last step used (after step(); needs track_grad_norm)."""
-        if not self.track_grad_norm:
-            raise RuntimeError("grad_norm() needs OverlappedOptimizer(..., track_grad_norm=True)")
-        norms = [n for n in self._norms if n is not None]
-        if not norms:
-            return torch.zeros((), device=self.partitions[0][0].device)
-        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -138,8 +115,7 @@ class OverlappedOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         parts = state.get("overlapped_partitions")
         if parts is None:
-            raise ValueError("this optimizer state is a single optimizer's, not an OverlappedOptimizer's: resume "
-                             "with the optimizer the checkpoint was written with (drop or add --overlap-optimizer)")
+            raise ValueError("this optimizer state is a single optimizer's, not an OverlappedOptimizer's")
         if len(parts) != len(self.optimizers):
             raise ValueError(f"the optimizer state has {len(parts)} partitions, this model {len(self.optimizers)}")
         for opt, part in zip(self.optimizers, parts):

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from training.files import write_atomic
+from training.run.files import write_atomic
 
 CHECKPOINT_NAME = "checkpoint.pt"
 

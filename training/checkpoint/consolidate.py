@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from training import checkpoint, sharded_checkpoint
+from training.checkpoint import format as checkpoint, sharded as sharded_checkpoint
 
 
 def optimizer_state_by_index(state: dict[str, Any]) -> dict[str, Any]:

@@ -68,7 +68,9 @@ class ByteTokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids: Union[np.ndarray, list[int]]) -> bytes:
-        return bytes(np.asarray(ids, dtype=np.uint8))
+        """Ids of 256 and more (a model whose vocabulary is larger than the bytes) decode to nothing."""
+        ids = np.asarray(ids)
+        return bytes(ids[ids < BYTE_VOCAB].astype(np.uint8))
 
     def token_bytes(self) -> np.ndarray:
         return np.ones(BYTE_VOCAB, dtype=np.int64)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from training import checkpoint
-from training.distributed import DistContext, barrier
+from training.checkpoint import format as checkpoint
+from training.parallel.distributed import DistContext, barrier
 
 DCP_DIR_NAME = "checkpoint_dcp"
 EXTRAS_FILE = "extras.pt"

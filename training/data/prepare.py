@@ -1,14 +1,4 @@
-"""Prepared data: a directory of token files that prepare_data.py writes and train.py / evaluate.py read.
-
-    <dir>/meta.json            dtype, vocabulary, tokenizer, and per split its tokens, bytes and documents
-    <dir>/tokenizer.json       the BPE tokenizer (Hugging Face format; none for the bytes tokenizer)
-    <dir>/train.bin, val.bin   token ids, uint16 when the vocabulary fits, else uint32, no header
-    <dir>/train_docs.npy, val_docs.npy   the position of every document's first token (int64)
-
-Every document begins with the end-of-document token (a separator, as GPT-2's <|endoftext|>), so the stream reads
-EOD doc0 EOD doc1 ... and a document's tokens run from its start to the next one's. The byte count of a split is
-that of the UTF-8 text it encodes plus one per end-of-document token (the separator it stands for): bits per byte
-are then loss_nats * tokens / (ln 2 * bytes), comparable across tokenizers.
+"""Writing a prepared directory: train a tokenizer on a text corpus, encode it, write the files prepared.py reads.
 
 Preparing is keyed by a content hash of the input and the settings: a second run on the same input finds the result
 and returns at once. The directory is written under a temporary name and renamed into place when complete.
@@ -19,28 +9,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import numpy as np
 import tokenizers
-from tqdm import tqdm
 
-from training.files import fsync_dir, temp_path
-from training.text_corpus import Segment, TextCorpus, content_hash, documents, split_segments
-from training.tokenizer import (BPETokenizer, ByteTokenizer, Tokenizer, check_vocab_size, load_tokenizer,
-                                token_dtype)
+from training.data.corpus import Segment, TextCorpus, content_hash, documents, split_segments
+from training.data.prepared import FORMAT, META_FILE, SPLITS, PreparedDataError, read_meta, split_paths
+from training.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, check_vocab_size, token_dtype
+from training.progress import Progress
+from training.run.files import fsync_dir, temp_path
 
-FORMAT = 1
-META_FILE = "meta.json"
-SPLITS = ("train", "val")
 PIECE_CHARS = 1 << 20  # longest text handed to the encoder at once
 BATCH_CHARS = 2 << 20  # text per parallel encode call: bounds the memory of a batch of pieces and their tokens
-
-
-class PreparedDataError(ValueError):
-    """A prepared directory that cannot be read or written; the one-line message names the problem."""
 
 
 @dataclass(frozen=True)
@@ -63,15 +46,12 @@ class Settings:
         return json.dumps({"format": FORMAT, "tokenizers": tokenizers.__version__, **self.__dict__}, sort_keys=True)
 
 
-def _paths(directory: Path, split: str) -> tuple[Path, Path]:
-    return directory / f"{split}.bin", directory / f"{split}_docs.npy"
-
-
 def _tokenizer_texts(segments: list[Segment], settings: Settings, train_bytes: int) -> Iterator[str]:
     """The training split's text, or an evenly spread sample of it when it exceeds tokenizer_sample_bytes."""
     ratio = min(1.0, settings.tokenizer_sample_bytes / max(train_bytes, 1))
     seen = kept = 0
-    with tqdm(total=train_bytes, unit="B", unit_scale=True, desc="train tokenizer", disable=None) as bar:
+    bar = Progress(train_bytes, "train tokenizer: read", unit="B", every_s=10.0)
+    try:
         for seg in segments:
             if seg.split != "train":
                 continue
@@ -81,13 +61,15 @@ def _tokenizer_texts(segments: list[Segment], settings: Settings, train_bytes: i
                     kept += n
                     yield text
                 seen += n
+    finally:
+        bar.close()
 
 
 class _SplitWriter:
     """Appends one split's tokens to its .bin and collects its document starts and counts."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype, eod_id: int):
-        self.bin_path, self.docs_path = _paths(directory, split)
+        self.bin_path, self.docs_path = split_paths(directory, split)
         self.file = open(self.bin_path, "wb")
         self.dtype, self.eod = dtype, np.array([eod_id], dtype=dtype)
         self.tokens = self.bytes = 0
@@ -123,7 +105,8 @@ def _encode(segments: list[Segment], tokenizer: Tokenizer, settings: Settings, d
             writers[split].write(ids, len(text.encode("utf-8")), starts)
         batch.clear()
 
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode", disable=None) as bar:
+    bar = Progress(total_bytes, "encode", unit="B", every_s=10.0)
+    try:
         size = 0
         for seg in segments:
             for text, starts in documents(seg, settings.separator, PIECE_CHARS, bar):
@@ -133,17 +116,9 @@ def _encode(segments: list[Segment], tokenizer: Tokenizer, settings: Settings, d
                     flush()
                     size = 0
         flush()
+    finally:
+        bar.close()
     return {s: w.close() for s, w in writers.items()}
-
-
-def read_meta(directory: Path) -> Optional[dict]:
-    path = directory / META_FILE
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PreparedDataError(f"{path} is not valid JSON: {e}") from None
 
 
 def prepare(corpus: TextCorpus, out: Path, settings: Settings = Settings()) -> tuple[dict, bool]:
@@ -211,61 +186,3 @@ def _replace_dir(new: Path, out: Path) -> None:
     fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-@dataclass(frozen=True)
-class PreparedSplit:
-    tokens: np.ndarray  # read-only memmap
-    doc_starts: np.ndarray  # int64 position of every document's first token (its end-of-document token)
-    bytes: int  # UTF-8 bytes of the text it encodes, one per end-of-document token included
-
-
-@dataclass(frozen=True)
-class PreparedData:
-    directory: Path
-    meta: dict
-    splits: dict[str, PreparedSplit] = field(repr=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.meta["vocab_size"])
-
-    @property
-    def eod_id(self) -> int:
-        return int(self.meta["eod_id"])
-
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.meta["tokenizer"], self.directory)
-
-    def describe(self) -> str:
-        return f"{self.meta['tokenizer']} tokens of {self.meta['source']}, prepared in {self.directory}"
-
-
-def is_prepared(path: Path) -> bool:
-    """A directory prepare_data.py wrote, or one that looks like it (token files without meta.json)."""
-    return path.is_dir() and ((path / META_FILE).exists() or (path / "train.bin").exists())
-
-
-def load_prepared(directory: Path) -> PreparedData:
-    """Open a prepared directory (memory-mapped), checking its files against meta.json."""
-    meta = read_meta(directory)
-    if meta is None:
-        raise PreparedDataError(f"{directory} holds token files but no {META_FILE} beside them (dtype, vocabulary and "
-                                "tokenizer are unknown); prepare the directory with prepare_data.py")
-    if meta.get("format") != FORMAT:
-        raise PreparedDataError(f"{directory / META_FILE} has format {meta.get('format')}, this code reads {FORMAT}; "
-                                "prepare the data again")
-    dtype = np.dtype(meta["dtype"])
-    splits = {}
-    for split in SPLITS:
-        bin_path, docs_path = _paths(directory, split)
-        counts = meta["splits"][split]
-        for p in (bin_path, docs_path):
-            if not p.exists():
-                raise PreparedDataError(f"{directory} lacks {p.name}, which {META_FILE} lists; prepare it again")
-        if bin_path.stat().st_size != counts["tokens"] * dtype.itemsize:
-            raise PreparedDataError(f"{bin_path} holds {bin_path.stat().st_size} bytes, but {META_FILE} says "
-                                    f"{counts['tokens']} {dtype.name} tokens; prepare it again")
-        splits[split] = PreparedSplit(np.memmap(bin_path, dtype=dtype, mode="r"), np.load(docs_path),
-                                      int(counts["bytes"]))
-    return PreparedData(directory, meta, splits)

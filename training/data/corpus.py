@@ -1,7 +1,7 @@
 """Text to prepare: which files, their content hash, and their documents read as bounded pieces of UTF-8 text.
 
 A corpus is a text file, a directory of text files, or the built-in corpus (this Python's standard library sources,
-training.data's default). Every file is a document, and so is every part of a file between two occurrences of the
+training/data/text.py's default). Every file is a document, and so is every part of a file between two occurrences of the
 separator (`<|endoftext|>` by default, as in TinyStories' text files). Files are read in blocks and long documents
 are cut into pieces of at most `max_chars` characters, so memory stays bounded whatever the corpus size.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from training.data import _stdlib_sources, _text_files, stdlib_dir
+from training.data.text import stdlib_dir, stdlib_sources, text_files
 
 BLOCK_BYTES = 1 << 20  # read size
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a binary file (git's rule)
@@ -64,7 +64,7 @@ def _is_utf8(path: Path) -> bool:
 def resolve(spec: Optional[str]) -> TextCorpus:
     """`spec`: None or 'stdlib' (the built-in corpus), a text file, or a directory (its text files, recursively)."""
     if spec is None or spec == BUILTIN:
-        files = _stdlib_sources()
+        files = stdlib_sources()
         # A few of the standard library's test files are in other encodings on purpose (iso-8859-1, koi8-r).
         utf8 = [f for f in files if _is_utf8(f)]
         skipped = len(files) - len(utf8)
@@ -75,7 +75,7 @@ def resolve(spec: Optional[str]) -> TextCorpus:
     if not path.exists():
         raise CorpusError(f"input does not exist: {path}")
     if path.is_dir():
-        files = [f for f in _text_files(path) if not _is_binary(f)]
+        files = [f for f in text_files(path) if not _is_binary(f)]
         if not files:
             raise CorpusError(f"input directory {path} holds no text files")
         return TextCorpus(files, path, path.resolve().name or "data", f"text files under {path} ({len(files)} files)")

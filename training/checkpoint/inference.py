@@ -1,0 +1,64 @@
+"""A trained model for sampling and evaluation: the checkpoint of a run (its newest that loads, or a named file), the
+run's configuration, and the model with its weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from model import ModelConfig, TransformerLM
+from training.checkpoint import files as checkpoint_files
+from training.checkpoint import sharded
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.resume import model_config_of
+from training.cli import apply, flatten
+from training.config import Config
+
+
+def open_checkpoint(run: Path, warn: Optional[Callable[[str], None]] = None) -> tuple[Path, dict[str, Any]]:
+    """(path, state) of a checkpoint file, or of the newest checkpoint of a run directory that loads."""
+    if run.is_dir():
+        if not checkpoint_files.candidates(run):
+            dcp = run / sharded.DCP_DIR_NAME
+            if dcp.exists():
+                raise CheckpointError(f"{run} holds only a sharded FSDP checkpoint; make one file of it with `python -m "
+                                      f"training.checkpoint.consolidate {dcp} {run}/consolidated.pt --model-only` and "
+                                      "pass that file")
+            raise CheckpointError(f"no checkpoint in {run} (train one with `python train.py --out {run}`)")
+        return checkpoint_files.load_newest(run, **({"warn": warn} if warn else {}))
+    if not run.is_file():
+        raise CheckpointError(f"no checkpoint at {run}")
+    return run, checkpoint_files.load_named(run)
+
+
+def run_config_of(state: dict[str, Any]) -> Config:
+    """The configuration of the run that wrote a checkpoint (an earlier version's: its model and flags)."""
+    if "config" in state:
+        return apply(Config(), flatten(state["config"]))
+    args = state.get("args", {})
+    legacy = {("data", "data"): args.get("data"), ("data", "batch_size"): args.get("batch_size", 16),
+              ("run", "eval_batches"): args.get("eval_batches", 10), ("run", "seed"): args.get("seed", 0),
+              ("execution", "attn"): state["model_config"].get("attn", "sdpa"),
+              ("execution", "dtype"): args.get("dtype")}
+    return apply(Config(model=model_config_of(state)), legacy)
+
+
+def load_model(path: Path, state: dict[str, Any], cfg: ModelConfig, attn: str, device: torch.device) -> TransformerLM:
+    """The checkpoint's model with its weights on `device`; a state dict of another shape is a CheckpointError."""
+    with device:
+        model = TransformerLM(cfg, attn)
+    expected = model.state_dict()
+    for name, tensor in state["model"].items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"checkpoint {path} holds another model shape than its config says: {name} is "
+                                  f"{tuple(tensor.shape)} in the file, {tuple(expected[name].shape)} for d_model "
+                                  f"{cfg.d_model}, n_heads {cfg.n_heads}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}")
+    missing = sorted(set(expected) - set(state["model"]))
+    unexpected = sorted(set(state["model"]) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} holds another model shape than its config says ({cfg.n_layers} "
+                              f"layers): missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.load_state_dict(state["model"])
+    return model

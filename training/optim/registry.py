@@ -1,0 +1,77 @@
+"""Optimizers by name. An optimizer is one module that calls `register`; training/step.py builds it by name.
+
+Every registered optimizer is a `torch.optim.Optimizer` whose `step(clip_coef=None)` first multiplies every gradient by
+the 0-dim tensor `clip_coef` when given (the clipping coefficient the step computed from the global norm). What an
+entry declares:
+- steps_in_backward: it can step each parameter on its own, as soon as its gradient exists (training/optim/overlapped.py
+  then steps it during the backward when nothing needs all gradients first);
+- shards: it runs on FSDP's sharded parameters (elementwise updates do; one that needs whole matrices does not);
+- keeps_weight_copies: under bf16/fp16 autocast it rewrites the low-precision weight copies the forward reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What a builder gets besides the parameters: the run's optimizer section (training.config.OptimConfig), the
+    learning rate (a device tensor when a CUDA graph replays the step), and the weight copies to rewrite."""
+
+    config: "OptimConfig"  # noqa: F821 (training.config, imported lazily to keep this module light)
+    lr: float | torch.Tensor
+    device: torch.device
+    capturable: bool = False
+    weight_copies: Optional[dict[nn.Parameter, torch.Tensor]] = None
+
+
+Builder = Callable[[nn.Module, list[nn.Parameter], OptimizerSettings], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    build: Builder  # (model, its parameters to optimize, settings) -> optimizer
+    description: str
+    steps_in_backward: bool = False
+    shards: bool = True
+    keeps_weight_copies: bool = False
+
+
+_OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register(name: str, *, description: str, steps_in_backward: bool = False, shards: bool = True,
+             keeps_weight_copies: bool = False) -> Callable[[Builder], Builder]:
+    """Decorator: register `build(model, params, settings) -> optimizer` under `name`."""
+
+    def decorate(build: Builder) -> Builder:
+        _OPTIMIZERS[name] = OptimizerSpec(name, build, description, steps_in_backward, shards, keeps_weight_copies)
+        return build
+
+    return decorate
+
+
+def optimizer_names() -> list[str]:
+    return list(_OPTIMIZERS)
+
+
+def get_optimizer(name: str) -> OptimizerSpec:
+    if name not in _OPTIMIZERS:
+        raise KeyError(f"unknown optimizer {name!r}; valid: {', '.join(_OPTIMIZERS)}")
+    return _OPTIMIZERS[name]
+
+
+def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: norm gains are scales, and decaying them towards 0 fights the normalisation."""
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]

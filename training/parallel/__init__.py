@@ -1,0 +1,1 @@
+"""Several GPUs: the process group and collectives, DDP and FSDP2 wrapping, activation checkpointing."""
