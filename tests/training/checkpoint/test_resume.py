@@ -191,23 +191,31 @@ def test_execution_changes_name_what_runs_differently():
     assert execution_changes({"model_config": CFG.to_dict(), "args": {"attn": "flash"}}, CONFIG) == []
 
 
-def old_checkpoint(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
-    """A checkpoint as an earlier version wrote it: the optimizer's own state dict (keyed by index), the model config
-    with the switches since retired, and the flags as "args"."""
+def old_checkpoint(out: Path, model: torch.nn.Module, optimizer, step: int) -> Path:
+    """A checkpoint as an earlier version wrote it: the optimizer's own state dict (keyed by index; one per parameter
+    under the former --overlap-optimizer), the model config with the switches since retired, and the flags as
+    "args"."""
     model_config = {**CFG.to_dict(), "attn": "naive", "fp32_weight_grads": True, "fused_rope": False,
                     "fp32_residual": False, "fused_gate_up": True}
     args = {"data": "corpus.txt", "batch_size": 8, "seed": 3, "eval_batches": 4, "dtype": "fp32", "steps": 100,
             "compile_scope": "blocks", "overlap_optimizer": False, "no_checkpoint": False}
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": {}, "step": step,
              "rng": checkpoint.rng_state(), "model_config": model_config, "args": args}
-    assert all(isinstance(k, int) for k in state["optimizer"]["state"])
+    for opt in optimizers_of(optimizer):
+        assert all(isinstance(k, int) for k in opt.state_dict()["state"])
     return checkpoint_files.save(state, out, step, keep=2)
 
 
-def test_an_old_format_checkpoint_still_resumes(tmp_path):
-    config = resolved()
-    a, step_a = trained(config, seed=0)
+@pytest.mark.parametrize("written, read", [(1.0, 1.0), (1.0, 0.0), (0.0, 0.0), (0.0, 1.0)],
+                         ids=["plain-to-plain", "plain-to-overlapped", "overlapped-to-overlapped",
+                              "overlapped-to-plain"])
+def test_an_old_format_checkpoint_still_resumes(tmp_path, written, read):
+    """An earlier version's run with --grad-clip 0 had one optimizer (unless --overlap-optimizer): resumed with
+    --grad-clip 0 now, its parameters step in the backward, each with an optimizer of its own."""
+    a, step_a = trained(resolved(grad_clip=written), seed=0)
+    assert isinstance(step_a.optimizer, OverlappedOptimizer) == (written == 0)
     path = old_checkpoint(tmp_path, a, step_a.optimizer, 5)
+    config = resolved(grad_clip=read)
     b, step_b = trained(config, seed=1, steps=0)
     resumed = load_checkpoint(tmp_path, b, step_b.optimizer, step_b.scaler, config, DistContext(), no_warning)
     assert resumed == Resumed(5, path, [])
