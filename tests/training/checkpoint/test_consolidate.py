@@ -86,6 +86,16 @@ def test_cli_model_only_and_missing_directory(tmp_path, capsys):
     assert "no sharded checkpoint to resume from at" in capsys.readouterr().err
 
 
+def test_help_names_the_module_to_run_and_the_keys_it_writes(capsys):
+    with pytest.raises(SystemExit) as e:
+        consolidate.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert f"python -m {consolidate.__name__} runs/x/{sharded.DCP_DIR_NAME} runs/x/consolidated.pt" in text
+    assert consolidate.__name__ == "training.checkpoint.consolidate"
+    assert 'ModelConfig.from_dict(ck["config"]["model"])' in text and "model_config" not in text
+
+
 def test_optimizer_state_is_reindexed_by_position_over_groups():
     state = {"state": {"b": {"exp_avg": 2}, "a": {"exp_avg": 1}, "c": {"exp_avg": 3}},
              "param_groups": [{"lr": 1.0, "params": ["a", "b"]}, {"lr": 2.0, "params": ["c"]}]}
