@@ -1,14 +1,14 @@
 """Turn a sharded FSDP checkpoint into one file that a single process loads.
 
-    python -m training.consolidate runs/x/checkpoint_dcp runs/x/consolidated.pt [--model-only]
+    python -m training.checkpoint.consolidate runs/x/checkpoint_dcp runs/x/consolidated.pt [--model-only]
 
 The file has the keys of train.py's single-process `checkpoint-<step>.pt`:
   model         TransformerLM state dict: embed.weight, blocks.<i>.attn_norm.weight, blocks.<i>.attn.qkv.weight,
                 blocks.<i>.attn.out.weight, blocks.<i>.ffn_norm.weight, blocks.<i>.ffn.w1/w2/w3.weight,
                 final_norm.weight, lm_head.weight (fp32, on the CPU)
   optimizer     AdamW state dict in torch.optim's own format (left out with --model-only)
-  scaler, step, rng, model_config, args   as saved by the run
-so `TransformerLM(ModelConfig(**ck["model_config"])).load_state_dict(ck["model"])` rebuilds the model, and
+  scaler, step, rng, config   as saved by the run
+so `TransformerLM(ModelConfig.from_dict(ck["config"]["model"])).load_state_dict(ck["model"])` rebuilds the model, and
 copying the file to `<out>/checkpoint-<step>.pt` lets `python train.py --resume --out <out>` continue in one process.
 No process group is needed; memory use is the full checkpoint (weights only with --model-only).
 """

@@ -100,13 +100,25 @@ def check_architecture(path: Path, state: dict[str, Any], model_config: ModelCon
         raise ResumeError(f"checkpoint {path} was written for another model: {listed}")
 
 
+def _legacy_by_name(model: torch.nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
+    """An earlier version's optimizer state keyed by parameter name: one optimizer's, keyed by position over its
+    groups (the matrices, then the other parameters, as it built them), or one per parameter's (--overlap-optimizer)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if "overlapped_partitions" in saved:
+        parts = list(zip((n for n, _ in params), saved["overlapped_partitions"]))
+        return {"state": {n: s for n, part in parts for s in part["state"].values()},
+                "param_groups": [{**part["param_groups"][0], "params": [n]} for n, part in parts]}
+    order = [n for n, p in params if p.dim() >= 2] + [n for n, p in params if p.dim() < 2]
+    return {"state": {order[i]: s for i, s in saved["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+
+
 def load_optimizer_state(model: torch.nn.Module, optimizer: Any, saved: dict[str, Any]) -> None:
-    """An optimizer state keyed by parameter name into `optimizer`; an earlier version's index-keyed one as it is."""
+    """An optimizer state keyed by parameter name into `optimizer`; an earlier version's index-keyed one too."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     if "overlapped_partitions" in saved or any(isinstance(k, int) for k in saved.get("state", {})):
-        optimizer.load_state_dict(saved)
-        return
+        saved = _legacy_by_name(model, saved)
     set_optimizer_state_dict(model, optimizers_of(optimizer), saved)
 
 

@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from training import checkpoint_files as ckpt
-from training.checkpoint_files import CheckpointError
+from training.checkpoint import files as ckpt
+from training.checkpoint.files import CheckpointError
 
 
 def names(directory):

@@ -5,10 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import prepared
-from training.prepared import PreparedDataError, Settings, is_prepared, load_prepared, prepare
-from training.text_corpus import resolve
-from training.tokenizer import ByteTokenizer, TokenizerError
+from training.data import prepare as prepare_module
+from training.data.corpus import resolve
+from training.data.prepare import Settings, prepare
+from training.data.prepared import PreparedDataError, load_prepared
+from training.data.tokenizer import ByteTokenizer, TokenizerError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SMALL_BPE = Settings(vocab_size=400)
@@ -67,7 +68,7 @@ def test_bytes_tokenizer_keeps_bytes(corpus_dir, tmp_path):
 def test_large_vocabularies_are_stored_as_uint32(corpus_dir, tmp_path, monkeypatch):
     class WideBytes(ByteTokenizer):
         vocab_size = 70_000  # ids still bytes, but a vocabulary beyond uint16
-    monkeypatch.setattr(prepared, "ByteTokenizer", WideBytes)
+    monkeypatch.setattr(prepare_module, "ByteTokenizer", WideBytes)
     meta, _ = prepare(resolve(str(corpus_dir)), tmp_path / "out", Settings(tokenizer="bytes", vocab_size=256))
     data = load_prepared(tmp_path / "out")
     assert meta["dtype"] == "uint32" and data.splits["train"].tokens.dtype == np.uint32
@@ -77,9 +78,9 @@ def test_large_vocabularies_are_stored_as_uint32(corpus_dir, tmp_path, monkeypat
 def test_small_pieces_and_batches_give_the_same_tokens(corpus_dir, tmp_path, monkeypatch):
     """Reading in small blocks, pieces and batches (bounded memory) changes no token."""
     prepare(resolve(str(corpus_dir)), tmp_path / "big", SMALL_BPE)
-    monkeypatch.setattr(prepared, "PIECE_CHARS", 300)
-    monkeypatch.setattr(prepared, "BATCH_CHARS", 1000)
-    monkeypatch.setattr("training.text_corpus.BLOCK_BYTES", 64)
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 300)
+    monkeypatch.setattr(prepare_module, "BATCH_CHARS", 1000)
+    monkeypatch.setattr("training.data.corpus.BLOCK_BYTES", 64)
     prepare(resolve(str(corpus_dir)), tmp_path / "small", SMALL_BPE)
     for split in ("train", "val"):
         a, b = (np.fromfile(tmp_path / d / f"{split}.bin", dtype=np.uint16) for d in ("big", "small"))
@@ -107,7 +108,7 @@ def test_a_failed_prepare_leaves_the_old_result(corpus_dir, tmp_path, monkeypatc
 
     def broken(*args):
         raise OSError("disk full")
-    monkeypatch.setattr(prepared, "_encode", broken)
+    monkeypatch.setattr(prepare_module, "_encode", broken)
     (corpus_dir / "a_stories.txt").write_text("new text\n")
     with pytest.raises(OSError, match="disk full"):
         prepare(resolve(str(corpus_dir)), out, SMALL_BPE)
@@ -133,14 +134,3 @@ def test_bad_input(tmp_path):
         prepare(resolve(str(tmp_path / "text.txt")), tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
-
-def test_damaged_prepared_directories(corpus_dir, tmp_path):
-    out = tmp_path / "out"
-    prepare(resolve(str(corpus_dir)), out, Settings(tokenizer="bytes", vocab_size=256))
-    (out / "val.bin").write_bytes((out / "val.bin").read_bytes()[:-2])
-    with pytest.raises(PreparedDataError, match="val.bin holds .* bytes, but meta.json says .* uint16 tokens"):
-        load_prepared(out)
-    (out / "meta.json").unlink()
-    assert is_prepared(out)
-    with pytest.raises(PreparedDataError, match="holds token files but no meta.json"):
-        load_prepared(out)

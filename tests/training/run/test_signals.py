@@ -3,7 +3,7 @@ import signal
 
 import pytest
 
-from training.signals import Interrupted, StopRequest, stop_status
+from training.run.signals import Interrupted, StopRequest, stop_status
 
 
 @pytest.mark.parametrize("signum, name, status", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143),

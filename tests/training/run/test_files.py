@@ -1,6 +1,6 @@
 import pytest
 
-from training.files import is_temp, remove_leftovers, temp_path, write_atomic
+from training.run.files import is_temp, remove_leftovers, temp_path, write_atomic
 
 
 def test_temporary_names_are_unique_hidden_and_recognised(tmp_path):

@@ -5,16 +5,17 @@ import torch
 
 from model import ModelConfig, TransformerLM
 from tests.ranks import single_rank_group
-from training import distributed, sharded_checkpoint
+from training.checkpoint import sharded
+from training.parallel.wrap import wrap_model
 
-CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16, attn="naive")
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16)
 
 
 def trained_fsdp(ctx, seed: int) -> tuple[TransformerLM, torch.optim.AdamW]:
     """A sharded model and an AdamW that has taken one step (so it has moments to save)."""
     torch.manual_seed(seed)
-    model = TransformerLM(CFG)
-    distributed.wrap_model(model, ctx, torch.float32)
+    model = TransformerLM(CFG, "naive")
+    wrap_model(model, ctx, torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randint(0, CFG.vocab_size, (2, 16))).float().square().mean().backward()
     optimizer.step()
@@ -27,15 +28,15 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 
 
 def test_round_trip_restores_weights_and_optimizer(tmp_path):
-    path = tmp_path / sharded_checkpoint.DCP_DIR_NAME
+    path = tmp_path / sharded.DCP_DIR_NAME
     with single_rank_group() as ctx:
         a, opt_a = trained_fsdp(ctx, seed=0)
-        sharded_checkpoint.save(path, a, opt_a, {"step": 3}, ctx)
+        sharded.save(path, a, opt_a, {"step": 3}, ctx)
         b, opt_b = trained_fsdp(ctx, seed=1)  # other weights, other moments
-        sharded_checkpoint.load(path, b, opt_b)
+        sharded.load(path, b, opt_b)
         for name, w in full_weights(a).items():
             torch.testing.assert_close(full_weights(b)[name], w, rtol=0, atol=0)
-        assert sharded_checkpoint.load_extras(path) == {"step": 3}
+        assert sharded.load_extras(path) == {"step": 3}
         # The moments came back too: one more identical step keeps the two models identical.
         ids = torch.randint(0, CFG.vocab_size, (2, 16))
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -48,10 +49,10 @@ def test_round_trip_restores_weights_and_optimizer(tmp_path):
 def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    path = tmp_path / sharded_checkpoint.DCP_DIR_NAME
+    path = tmp_path / sharded.DCP_DIR_NAME
     with single_rank_group() as ctx:
         model, optimizer = trained_fsdp(ctx, seed=0)
-        sharded_checkpoint.save(path, model, optimizer, {"step": 1}, ctx)
+        sharded.save(path, model, optimizer, {"step": 1}, ctx)
         real_save = dcp.save
 
         def crash(state, checkpoint_id):
@@ -60,28 +61,28 @@ def test_a_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
 
         monkeypatch.setattr(dcp, "save", crash)
         with pytest.raises(OSError, match="disk full"):
-            sharded_checkpoint.save(path, model, optimizer, {"step": 2}, ctx)
-        assert sharded_checkpoint.load_extras(path) == {"step": 1}
+            sharded.save(path, model, optimizer, {"step": 2}, ctx)
+        assert sharded.load_extras(path) == {"step": 1}
         monkeypatch.setattr(dcp, "save", real_save)
-        sharded_checkpoint.save(path, model, optimizer, {"step": 3}, ctx)  # clears the half-written one
-        assert sharded_checkpoint.load_extras(path) == {"step": 3}
-        assert sorted(p.name for p in tmp_path.iterdir()) == [sharded_checkpoint.DCP_DIR_NAME]
+        sharded.save(path, model, optimizer, {"step": 3}, ctx)  # clears the half-written one
+        assert sharded.load_extras(path) == {"step": 3}
+        assert sorted(p.name for p in tmp_path.iterdir()) == [sharded.DCP_DIR_NAME]
 
 
 def test_a_crash_between_the_renames_falls_back_to_the_previous_checkpoint(tmp_path):
-    path = tmp_path / sharded_checkpoint.DCP_DIR_NAME
+    path = tmp_path / sharded.DCP_DIR_NAME
     with single_rank_group() as ctx:
         model, optimizer = trained_fsdp(ctx, seed=0)
-        sharded_checkpoint.save(path, model, optimizer, {"step": 1}, ctx)
+        sharded.save(path, model, optimizer, {"step": 1}, ctx)
         os.replace(path, tmp_path / f".{path.name}.old")  # the first rename happened, the second did not
-        assert sharded_checkpoint.resolve(path) == tmp_path / f".{path.name}.old"
-        assert sharded_checkpoint.load_extras(path) == {"step": 1}
-        sharded_checkpoint.load(path, model, optimizer)
-        sharded_checkpoint.save(path, model, optimizer, {"step": 2}, ctx)
-        assert sharded_checkpoint.load_extras(path) == {"step": 2}
-        assert sorted(p.name for p in tmp_path.iterdir()) == [sharded_checkpoint.DCP_DIR_NAME]
+        assert sharded.resolve(path) == tmp_path / f".{path.name}.old"
+        assert sharded.load_extras(path) == {"step": 1}
+        sharded.load(path, model, optimizer)
+        sharded.save(path, model, optimizer, {"step": 2}, ctx)
+        assert sharded.load_extras(path) == {"step": 2}
+        assert sorted(p.name for p in tmp_path.iterdir()) == [sharded.DCP_DIR_NAME]
 
 
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no sharded checkpoint to resume from at .*nothing"):
-        sharded_checkpoint.load_extras(tmp_path / "nothing")
+        sharded.load_extras(tmp_path / "nothing")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from training import run_dir
-from training.run_dir import LOCK_NAME, RunDirError, RunLock
+from training.run import directory as run_dir
+from training.parallel.distributed import DistContext
+from training.run.directory import LOCK_NAME, RunDirError, RunLock
 
 
 def dead_pid() -> int:
@@ -218,3 +219,29 @@ def test_prepare_removes_leftovers_of_killed_writes(tmp_path):
     run_dir.prepare(tmp_path, overwrite=False, say=messages.append)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-4.pt"]
     assert messages == [f"{tmp_path}: removed 2 temporary files left by an interrupted write (1.0 MiB)"]
+
+
+def test_owned_holds_the_lock_for_the_run_and_releases_it_whatever_happens(tmp_path):
+    out = tmp_path / "run"
+    with run_dir.owned(out, resume=False, overwrite=False, ctx=DistContext()):
+        assert out.is_dir() and json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+        with pytest.raises(RunDirError, match=rf"{out} is in use by another run \(process {os.getpid()} on "):
+            with run_dir.owned(out, resume=True, overwrite=False, ctx=DistContext()):
+                pass
+        assert (out / LOCK_NAME).exists(), "the refused second owner leaves the first one's lock"
+    assert not (out / LOCK_NAME).exists()
+    with pytest.raises(KeyError):  # a run that fails: the lock goes all the same
+        with run_dir.owned(out, resume=False, overwrite=False, ctx=DistContext()):
+            raise KeyError("boom")
+    assert list(out.iterdir()) == []
+
+
+def test_owned_refuses_a_new_run_into_a_run_and_takes_no_lock(tmp_path):
+    (tmp_path / "checkpoint-3.pt").write_bytes(b"x")
+    with pytest.raises(RunDirError, match="already holds a run \\(checkpoint-3.pt\\); continue it with --resume"):
+        with run_dir.owned(tmp_path, resume=False, overwrite=False, ctx=DistContext()):
+            pytest.fail("the body must not run")
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-3.pt"]
+    with run_dir.owned(tmp_path, resume=True, overwrite=False, ctx=DistContext()):
+        assert (tmp_path / LOCK_NAME).exists()
+    assert not (tmp_path / LOCK_NAME).exists()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from training import checkpoint
+from training.checkpoint import format as checkpoint
 
 
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.tokenizer import (EOD_TOKEN, BPETokenizer, ByteTokenizer, TokenizerError, check_vocab_size,
-                                load_tokenizer, token_dtype)
+from training.data.tokenizer import (EOD_TOKEN, BPETokenizer, ByteTokenizer, TokenizerError, check_vocab_size,
+                                     load_tokenizer, token_dtype)
 
 UNICODE = ("naïve café — 日本語のテキスト, emoji 🎉🚀, Ωμέγα, combining e\u0301, zero-width \u200b, "
            "tab\tand\r\nCRLF")
@@ -50,6 +50,8 @@ def test_bytes_round_trip_any_bytes():
         ids = tok.encode_batch([text])[0]
         assert tok.decode(ids) == text and len(ids) == len(text.encode())
     assert (tok.token_bytes() == 1).all() and tok.vocab_size == 256 and tok.eod_id == 0
+    # A model with a larger vocabulary than the bytes can sample ids of 256 and more: they decode to nothing.
+    assert tok.decode_bytes(np.array([104, 256, 105, 70_000])) == b"hi"
 
 
 def test_tokenizer_file_reloads(bpe, tmp_path):

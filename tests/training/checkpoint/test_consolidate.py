@@ -1,10 +1,17 @@
+import pytest
 import torch
 
 from model import ModelConfig, TransformerLM
 from tests.ranks import single_rank_group
-from training import checkpoint, consolidate, distributed, sharded_checkpoint
+from training.checkpoint import consolidate, sharded
+from training.checkpoint import format as checkpoint
+from training.checkpoint.resume import load_checkpoint
+from training.config import Config
+from training.parallel.distributed import DistContext
+from training.parallel.wrap import wrap_model
 
-CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16, attn="naive")
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16)
+CONFIG = Config(model=CFG).replace(execution={"attn": "naive", "parallel": "fsdp"})
 
 
 def adamw(model) -> torch.optim.AdamW:
@@ -16,18 +23,18 @@ def adamw(model) -> torch.optim.AdamW:
 
 def write_sharded(tmp_path, steps: int = 2):
     """An FSDP checkpoint after `steps` steps; returns its directory, full weights and full first moments."""
-    path = tmp_path / sharded_checkpoint.DCP_DIR_NAME
+    path = tmp_path / sharded.DCP_DIR_NAME
     with single_rank_group() as ctx:
         torch.manual_seed(0)
-        model = TransformerLM(CFG)
-        distributed.wrap_model(model, ctx, torch.float32)
+        model = TransformerLM(CFG, "naive")
+        wrap_model(model, ctx, torch.float32)
         optimizer = adamw(model)
         for _ in range(steps):
             model(torch.randint(0, CFG.vocab_size, (2, 16))).float().square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-        extras = {"step": steps, "model_config": CFG.to_dict(), "rng": checkpoint.rng_state()}
-        sharded_checkpoint.save(path, model, optimizer, extras, ctx)
+        extras = {"step": steps, "config": CONFIG.to_dict(), "rng": checkpoint.rng_state(), "scaler": {}}
+        sharded.save(path, model, optimizer, extras, ctx)
         names = {id(p): n for n, p in model.named_parameters()}
         weights = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
         moments = {names[id(p)]: s["exp_avg"].full_tensor().clone() for p, s in optimizer.state.items()}
@@ -38,8 +45,8 @@ def test_consolidated_file_loads_into_one_process(tmp_path):
     path, weights, moments = write_sharded(tmp_path)
     consolidate.consolidate(path, tmp_path / "full.pt")  # no process group from here on
     loaded = checkpoint.load(tmp_path / "full.pt")
-    assert loaded["step"] == 2 and loaded["model_config"] == CFG.to_dict()
-    model = TransformerLM(ModelConfig(**loaded["model_config"]))
+    assert loaded["step"] == 2 and loaded["config"] == CONFIG.to_dict()
+    model = TransformerLM(ModelConfig.from_dict(loaded["config"]["model"]))
     model.load_state_dict(loaded["model"])  # strict: the same names
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
@@ -48,6 +55,24 @@ def test_consolidated_file_loads_into_one_process(tmp_path):
     for name, p in model.named_parameters():
         torch.testing.assert_close(optimizer.state[p]["exp_avg"], moments[name], rtol=0, atol=0)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+def test_consolidated_file_resumes_the_run_in_one_process(tmp_path):
+    """As the module says: copied to <out>/checkpoint-<step>.pt, `train.py --resume` continues in one process."""
+    path, weights, moments = write_sharded(tmp_path)
+    out = tmp_path / "run"
+    consolidate.consolidate(path, out / "checkpoint-2.pt")
+    model = TransformerLM(CFG, "naive")
+    optimizer = adamw(model)
+    one_process = CONFIG.replace(execution={"parallel": "none"})
+    resumed = load_checkpoint(out, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), one_process,
+                              DistContext(), warn=lambda m: pytest.fail(m))
+    assert resumed.step == 2 and resumed.path == out / "checkpoint-2.pt"
+    assert resumed.changes == ["resuming with --parallel none; the checkpoint was written with fsdp (the weights do "
+                               "not depend on it)"]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], moments[name], rtol=0, atol=0)
 
 
 def test_cli_model_only_and_missing_directory(tmp_path, capsys):
@@ -59,6 +84,16 @@ def test_cli_model_only_and_missing_directory(tmp_path, capsys):
     assert "optimizer" not in loaded and loaded["model"].keys() == weights.keys()
     assert consolidate.main([str(tmp_path / "nope"), str(tmp_path / "x.pt")]) == 1
     assert "no sharded checkpoint to resume from at" in capsys.readouterr().err
+
+
+def test_help_names_the_module_to_run_and_the_keys_it_writes(capsys):
+    with pytest.raises(SystemExit) as e:
+        consolidate.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert f"python -m {consolidate.__name__} runs/x/{sharded.DCP_DIR_NAME} runs/x/consolidated.pt" in text
+    assert consolidate.__name__ == "training.checkpoint.consolidate"
+    assert 'ModelConfig.from_dict(ck["config"]["model"])' in text and "model_config" not in text
 
 
 def test_optimizer_state_is_reindexed_by_position_over_groups():

@@ -1,8 +1,8 @@
 import pytest
 
-from training import text_corpus
-from training.data import _stdlib_sources, stdlib_dir
-from training.text_corpus import CorpusError, Segment, content_hash, documents, resolve, split_segments
+from training.data import corpus as text_corpus
+from training.data.corpus import CorpusError, Segment, content_hash, documents, resolve, split_segments
+from training.data.text import stdlib_dir, stdlib_sources
 
 
 def whole(path):
@@ -83,7 +83,7 @@ def test_builtin_corpus_leaves_out_files_in_other_encodings(tmp_path, monkeypatc
     # This Python's standard library: its sources in UTF-8, and only those. Which files are in other encodings (the
     # test suite's iso-8859-1 and koi8-r modules), and whether the test suite is installed at all, depends on the
     # Python version and its packaging, so the files are derived, not named.
-    sources = _stdlib_sources()
+    sources = stdlib_sources()
     corpus = resolve(None)
     assert corpus.name == "stdlib" and "standard library" in corpus.description and corpus.root == stdlib_dir()
     assert len(corpus.files) > 100 and all(f.suffix == ".py" for f in corpus.files)
@@ -97,7 +97,7 @@ def test_builtin_corpus_leaves_out_files_in_other_encodings(tmp_path, monkeypatc
     (lib / "test" / "encoded_modules" / "module_iso_8859_1.py").write_bytes(
         "# -*- coding: iso-8859-1 -*-\ntest = 'caf\u00e9'\n".encode("iso-8859-1"))
     monkeypatch.setattr(text_corpus, "stdlib_dir", lambda: lib)
-    monkeypatch.setattr(text_corpus, "_stdlib_sources", lambda: sorted(lib.rglob("*.py")))
+    monkeypatch.setattr(text_corpus, "stdlib_sources", lambda: sorted(lib.rglob("*.py")))
     corpus = resolve(None)
     assert corpus.files == [lib / "os.py"] and corpus.root == lib
     assert corpus.description.endswith("(1 files; 1 not in UTF-8 left out)")
