@@ -17,46 +17,40 @@
 #                  variants     --preset variants --graph-timing (GQA, window, documents, softcap, all four;
 #                               against flex, sdpa, cuDNN)
 #                  training     --preset training --graph-timing (the shapes models train with)
-#   train-steps  bench_model.py --mode train-step, bf16, compiled, every step replayed as one CUDA graph, AdamW
-#                during the backward (--overlap-optimizer): ours with flash in its default configuration (fp32 AdamW
-#                moments, fp32 residual stream) against Hugging Face Llama, then ours in bf16's fastest
-#                (--optim-state-dtype bf16 --residual autocast):
-#                  small (batch 16, context 1024)   large (batch 4, context 1024)   2.7B (batch 4, context 512)
+#   train-steps  bench_model.py --mode train-step, bf16, compiled, one CUDA graph a step, flash; no clipping, so the
+#                optimizer steps during the backward: ours with --optimizer adamw against Hugging Face Llama, then
+#                ours with --optimizer adamw-bf16. Parts: small (batch 16, context 1024), large (batch 4, context
+#                1024), 2.7B (batch 4, context 512)
 #   headline     the README's first command, python train.py --attn flash --dtype bf16 (its defaults: small, batch
 #                16, context 1024, 1000 steps of the built-in corpus, compiled, CUDA graph), W&B disabled
+#   loop         the training loop's overhead on one GPU: bench_model.py's train-step of small (batch 16, context
+#                1024, flash, bf16, compiled, CUDA graph), then train.py --attn flash --dtype bf16 for 300 steps;
+#                prints both step times
 #   train-variants  train.py, small, bf16, flash, its defaults (compiled, a CUDA graph where the run allows one), 300
 #                steps on the built-in corpus as BPE (prepare_data.py): the plain model, the same with
 #                --pack-documents, with GQA (4 kv heads), windows of 256 (LLLG) and documents, and with a softcap
 #                of 50 too: losses and step times side by side
-#   residual     --residual autocast (the residual stream in bf16) against the fp32 one, in the same run:
-#                  steps  bench_model.py train-step, small (b16 T1024) and large (b4 T1024), bf16's fastest
-#                         configuration (compiled, CUDA graph, bf16 AdamW state overlapped with the backward, fused
-#                         RoPE) with --residual both
-#                  loss   train.py as in train-variants (small, 300 steps of BPE 8192), --residual fp32 then autocast
-#   gate-up      SwiGLU's w1 and w3 as one matmul (--fused-gate-up, the default) against two, in the same run:
-#                bench_model.py train-step, bf16's fastest configuration (compiled, CUDA graph, bf16 AdamW state
-#                overlapped with the backward, fused RoPE, --residual autocast) with --fused-gate-up both. Parts:
-#                small (b16 T1024), large (b4 T1024), 2.7B (b4 T512)
 #   fp8          float8 training against bf16 in the same run (torchao: on a machine without network access, put
 #                its wheel in ./.wheels):
-#                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), bf16's fastest
-#                         configuration (compiled, CUDA graph, bf16 AdamW state overlapped with the backward, fused
-#                         RoPE) with --fp8 off,tensorwise,rowwise; large also profiled (kernel categories of each)
+#                  steps  bench_model.py train-step, large (b4 T1024) and 2.7B (b4 T512), compiled, CUDA graph,
+#                         --optimizer adamw-bf16, --fp8 off,tensorwise,rowwise; large also profiled (kernel
+#                         categories of each)
 #                  loss   train.py --size large --context-length 1024 --batch-size 4, 1000 steps, bf16 then --fp8
 #                         tensorwise (torchao's fastest recipe), with seeds 0 to 3 (FP8_SEEDS): the loss curves
 #                         side by side
-#   profile      bench_model.py --profile on ours (flash, compiled, graphed; AdamW after the backward, so that the
-#                kernel times add up to the step): the defaults, then bf16's fastest configuration
-#                (--optim-state-dtype bf16 --residual autocast), then scripts/kernel_categories.py: GPU ms per step
-#                by kernel category. Parts: small, large, 2.7B (shapes as in train-steps); by default large and 2.7B
+#   profile      bench_model.py --profile on ours (flash, compiled, CUDA graph; the optimizer steps during the
+#                backward on a second stream, so the kernel times of both streams add up to more than the step),
+#                --optimizer adamw then adamw-bf16, then scripts/kernel_categories.py: GPU ms per step by kernel
+#                category. Parts: small, large, 2.7B (shapes as in train-steps); by default large and 2.7B
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
 #                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 512, batch 4,
 #                        activation checkpointing, 40 steps on byte-level text
 #
-# Each step writes its files under $OUT/<step>/ (results.md/.json/.csv of the benchmarks, a .log per command);
-# `== HH:MM:SS` lines timestamp the steps, and each step's summary table prints at the end, after a table of the
-# steps' exit statuses. The exit status is 0 when every command succeeded.
+# Each step writes its files under $OUT/<step>/ (results.md/.json/.csv of the benchmarks, a .log per command, a
+# directory per train.py run, emptied before the run); `== HH:MM:SS` lines timestamp the steps, and each step's
+# summary table prints at the end, after a table of the steps' exit statuses. The exit status is 0 when every
+# command succeeded.
 #
 # Environment:
 #   OUT=DIR       where the files go (default ./gpu-out)
@@ -92,6 +86,15 @@ run() {
     echo "   rc=$rc ($log)"
     [ $rc -ne 0 ] && STATUS=1
     return $rc
+}
+
+# train_run DIR LIMIT_S ARGS...: train.py into DIR (emptied first: train.py refuses an --out that holds a run),
+# its output to DIR.log.
+train_run() {
+    local dir=$1 limit=$2
+    shift 2
+    [ "$DRY_RUN" = 1 ] || rm -rf "${dir:?}"
+    run "$dir.log" "$limit" "$PY" train.py "$@" --out "$dir"
 }
 
 parts() {  # parts SPEC DEFAULT...: the parts named after "step:", or the defaults
@@ -147,20 +150,6 @@ summary_attention() {
     summarize attention "$OUT"/attention/*/results.json
 }
 
-# --- gate-up ---------------------------------------------------------------------------------------------------
-step_gate_up() {
-    local size
-    for size in $(parts "$1" small large 2.7B); do
-        shape "$size" > /dev/null || { echo "unknown part gate-up:$size (small, large, 2.7B)"; STATUS=1; continue; }
-        train_step "$OUT/gate-up/$size.log" 300 "$size" "${FASTEST[@]}" --fused-gate-up both --out "$OUT/gate-up/$size"
-    done
-    SUMMARIES+=(summary_gate_up)
-}
-summary_gate_up() {
-    echo "## gate-up: bf16, compiled, CUDA graph, --residual autocast ($OUT/gate-up/*/results.json)"
-    summarize train-steps "$OUT"/gate-up/*/results.json
-}
-
 # --- train-steps -----------------------------------------------------------------------------------------------
 shape() {  # the batch and context of each training-step config
     case $1 in
@@ -170,15 +159,15 @@ shape() {  # the batch and context of each training-step config
         *) return 1 ;;
     esac
 }
-# bench_model.py's train step as the steps here run it: compiled, one CUDA graph
-TRAIN_STEP=(--dtype bf16 --mode train-step --no-progress --compile on --attn flash --cuda-graph on)
-FASTEST=(--optim-state-dtype bf16 --residual autocast)  # bf16's fastest configuration, beside the defaults
-train_step() {  # train_step LOG LIMIT_S SIZE ARGS...: SIZE's step timed, AdamW during the backward
+# bench_model.py's train step as the steps here run it: compiled, one CUDA graph, flash. bench_model.py never clips,
+# so in one process the optimizer steps during the backward.
+TRAIN_STEP=(--dtype bf16 --mode train-step --compile on --cuda-graph on --attn flash)
+train_step() {  # train_step LOG LIMIT_S SIZE ARGS...: SIZE's step timed
     local log=$1 limit=$2 size=$3
     shift 3
     # shellcheck disable=SC2046  # shape's flags are meant to split
     run "$log" "$limit" "$PY" bench_model.py --sizes "$size" $(shape "$size") "${TRAIN_STEP[@]}" \
-        --overlap-optimizer on --warmup 4 --steps 10 "$@"
+        --warmup 4 --steps 10 "$@"
 }
 step_train_steps() {
     local size
@@ -186,8 +175,8 @@ step_train_steps() {
         echo "-- train-steps $size"
         shape "$size" > /dev/null || { echo "unknown part train-steps:$size (small, large, 2.7B)"; STATUS=1; continue; }
         train_step "$OUT/train-steps/$size.log" 300 "$size" --impl ours,hf --out "$OUT/train-steps/$size"
-        train_step "$OUT/train-steps/$size-fastest.log" 200 "$size" --impl ours "${FASTEST[@]}" \
-            --out "$OUT/train-steps/$size-fastest"
+        train_step "$OUT/train-steps/$size-adamw-bf16.log" 200 "$size" --impl ours --optimizer adamw-bf16 \
+            --out "$OUT/train-steps/$size-adamw-bf16"
     done
     SUMMARIES+=(summary_train_steps)
 }
@@ -198,8 +187,7 @@ summary_train_steps() {
 
 # --- headline --------------------------------------------------------------------------------------------------
 step_headline() {
-    run "$OUT/headline/train.log" 300 "$PY" train.py --attn flash --dtype bf16 --out "$OUT/headline/run" \
-        --wandb disabled
+    train_run "$OUT/headline/run" 300 --attn flash --dtype bf16 --wandb disabled
     SUMMARIES+=(summary_headline)
 }
 summary_headline() {
@@ -207,52 +195,39 @@ summary_headline() {
     summarize train-variants "$OUT/headline" run
 }
 
+# --- loop ------------------------------------------------------------------------------------------------------
+step_loop() {
+    local dir="$OUT/loop"
+    run "$dir/bench.log" 240 "$PY" bench_model.py --sizes small --mode train-step --dtype bf16 --compile on \
+        --cuda-graph on --attn flash --batch-size 16 --context-lengths 1024 --out "$dir/bench"
+    train_run "$dir/train" 300 --attn flash --dtype bf16 --steps 300 --eval-every 0 --wandb disabled \
+        --keep-checkpoints 0
+    SUMMARIES+=(summary_loop)
+}
+summary_loop() {
+    echo "## loop: small, bf16, flash, compiled, CUDA graph, batch 16 x 1024 ($OUT/loop/bench/results.json," \
+         "$OUT/loop/train/metrics.jsonl)"
+    summarize loop "$OUT/loop"
+}
+
 # --- train-variants --------------------------------------------------------------------------------------------
 BPE_DATA=data/stdlib-bpe8192
 # train.py's short run on BPE: the small model with its defaults (compiled, a CUDA graph), 300 steps
 SMALL_300=(--size small --attn flash --dtype bf16 --data "$BPE_DATA" --steps 300 --warmup-steps 30 --log-every 25
-           --eval-every 100 --eval-batches 10 --no-checkpoint --wandb disabled)
+           --eval-every 100 --eval-batches 10 --keep-checkpoints 0 --wandb disabled)
 step_train_variants() {
     local dir="$OUT/train-variants" common=("${SMALL_300[@]}")
     run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$BPE_DATA" || return
-    run "$dir/plain.log" 240 "$PY" train.py "${common[@]}" --out "$dir/plain"
-    run "$dir/packed.log" 240 "$PY" train.py "${common[@]}" --pack-documents --out "$dir/packed"
-    run "$dir/variants.log" 240 "$PY" train.py "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 \
-        --window-pattern LLLG --out "$dir/variants"
-    run "$dir/softcap.log" 240 "$PY" train.py "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 \
-        --window-pattern LLLG --attn-softcap 50 --out "$dir/softcap"
+    train_run "$dir/plain" 240 "${common[@]}"
+    train_run "$dir/packed" 240 "${common[@]}" --pack-documents
+    train_run "$dir/variants" 240 "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 --window-pattern LLLG
+    train_run "$dir/softcap" 240 "${common[@]}" --pack-documents --n-kv-heads 4 --window 256 --window-pattern LLLG \
+        --attn-softcap 50
     SUMMARIES+=(summary_train_variants)
 }
 summary_train_variants() {
     echo "## train-variants: small, bf16, flash ($OUT/train-variants/*/metrics.jsonl)"
     summarize train-variants "$OUT/train-variants" plain packed variants softcap
-}
-
-# --- residual --------------------------------------------------------------------------------------------------
-step_residual() {
-    local part size residual dir="$OUT/residual"
-    for part in $(parts "$1" steps loss); do
-        case $part in
-            steps)
-                for size in small large; do
-                    train_step "$dir/steps-$size.log" 300 "$size" --optim-state-dtype bf16 --residual both \
-                        --out "$dir/steps-$size"
-                done ;;
-            loss)
-                run "$dir/prepare_data.log" 180 "$PY" prepare_data.py --out "$BPE_DATA" || continue
-                for residual in fp32 autocast; do
-                    run "$dir/loss-$residual.log" 240 "$PY" train.py "${SMALL_300[@]}" --residual "$residual" \
-                        --out "$dir/loss-$residual"
-                done ;;
-            *) echo "unknown part residual:$part (steps, loss)"; STATUS=1 ;;
-        esac
-    done
-    SUMMARIES+=(summary_residual)
-}
-summary_residual() {
-    echo "## residual: bf16, compiled, CUDA graph ($OUT/residual/steps-*/results.json, loss-*/metrics.jsonl)"
-    summarize train-steps "$OUT"/residual/steps-*/results.json
-    summarize train-variants "$OUT/residual" loss-fp32 loss-autocast
 }
 
 # --- fp8 -------------------------------------------------------------------------------------------------------
@@ -265,10 +240,9 @@ step_fp8() {
                     local profile=()
                     [ "$size" = large ] && profile=(--profile "$dir/prof-$size" --profile-steps 2)
                     # shellcheck disable=SC2046
-                    run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") --dtype bf16 \
-                        --mode train-step --warmup 3 --steps 8 --no-progress --compile on --attn flash \
-                        --cuda-graph on --overlap-optimizer on --optim-state-dtype bf16 --fused-rope on \
-                        --fp8 off,tensorwise,rowwise "${profile[@]}" --out "$dir/steps-$size"
+                    run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") \
+                        "${TRAIN_STEP[@]}" --warmup 3 --steps 8 --optimizer adamw-bf16 --fp8 off,tensorwise,rowwise \
+                        "${profile[@]}" --out "$dir/steps-$size"
                 done
                 if [ "$DRY_RUN" = 1 ]; then
                     echo "   \$ $PY scripts/kernel_categories.py $dir/prof-large/*/trace.json 2 --top 40"
@@ -284,13 +258,12 @@ step_fp8() {
                 [ $found = 1 ] || { echo "   no trace.json under $dir/prof-large"; STATUS=1; } ;;
             loss)
                 local common=(--size large --context-length 1024 --batch-size 4 --dtype bf16 --attn flash --steps 1000
-                              --log-every 50 --eval-every 500 --no-checkpoint --wandb disabled)
+                              --log-every 50 --eval-every 500 --keep-checkpoints 0 --wandb disabled)
                 local seed name
                 for seed in $FP8_SEEDS; do
                     name=$(fp8_loss_name "$seed")
-                    run "$dir/$name-bf16.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --out "$dir/$name-bf16"
-                    run "$dir/$name-tensorwise.log" 300 "$PY" train.py "${common[@]}" --seed "$seed" --fp8 tensorwise \
-                        --out "$dir/$name-tensorwise"
+                    train_run "$dir/$name-bf16" 300 "${common[@]}" --seed "$seed"
+                    train_run "$dir/$name-tensorwise" 300 "${common[@]}" --seed "$seed" --fp8 tensorwise
                 done ;;
             *) echo "unknown part fp8:$part (steps, loss)"; STATUS=1 ;;
         esac
@@ -308,21 +281,19 @@ summary_fp8() {
 
 # --- profile ---------------------------------------------------------------------------------------------------
 step_profile() {
-    local size dir config trace
+    local size dir optimizer trace
     for size in $(parts "$1" large 2.7B); do
         echo "-- profile $size"
         shape "$size" > /dev/null || { echo "unknown part profile:$size (small, large, 2.7B)"; STATUS=1; continue; }
-        for config in defaults fastest; do
-            dir="$OUT/profile/$size-$config"
-            local extra=()
-            [ "$config" = fastest ] && extra=("${FASTEST[@]}")
+        for optimizer in adamw adamw-bf16; do
+            dir="$OUT/profile/$size-$optimizer"
             # shellcheck disable=SC2046
-            run "$dir.log" 240 "$PY" bench_model.py --sizes "$size" $(shape "$size") "${TRAIN_STEP[@]}" "${extra[@]}" \
-                --warmup 3 --steps 2 --profile "$dir/prof" --profile-steps 2 --out "$dir"
+            run "$dir.log" 240 "$PY" bench_model.py --sizes "$size" $(shape "$size") "${TRAIN_STEP[@]}" \
+                --optimizer "$optimizer" --warmup 3 --steps 2 --profile "$dir/prof" --profile-steps 2 --out "$dir"
             [ "$DRY_RUN" = 1 ] && { echo "   \$ $PY scripts/kernel_categories.py $dir/prof/*/trace.json 2 --top 45"; continue; }
             trace=$(find "$dir/prof" -name trace.json 2>/dev/null | head -1)
             if [ -n "$trace" ]; then
-                "$PY" scripts/kernel_categories.py "$trace" 2 --top 45 > "$OUT/profile/$size-$config-kernel-categories.txt"
+                "$PY" scripts/kernel_categories.py "$trace" 2 --top 45 > "$OUT/profile/$size-$optimizer-kernel-categories.txt"
             else
                 echo "   no trace.json under $dir/prof"; STATUS=1
             fi
@@ -342,7 +313,7 @@ summary_profile() {
 # --- distributed -----------------------------------------------------------------------------------------------
 step_distributed() {
     local dir="$OUT/distributed" part n_gpus
-    local ddp_model fsdp_model common=(--wandb disabled --no-checkpoint --eval-every 0 --eval-batches 1)
+    local ddp_model fsdp_model common=(--wandb disabled --keep-checkpoints 0 --eval-every 0 --eval-batches 1)
     if [ "${DEVICE:-cuda}" = cpu ]; then  # a tiny stand-in that checks the commands themselves
         ddp_model=(--size tiny --n-layers 2 --context-length 64 --dtype fp32 --attn sdpa --device cpu)
         fsdp_model=("${ddp_model[@]}")
@@ -391,14 +362,18 @@ summary_distributed() {
 
 # --- the summary tables ----------------------------------------------------------------------------------------
 summarize() {  # summarize KIND PATH...: the table of one step, from the files its commands wrote
-    "$PY" - "$@" <<'EOF'
-import json, sys
+    "$PY" - "$@" <<'PYEOF'
+import json, statistics, sys
 from pathlib import Path
 
 kind, paths = sys.argv[1], [Path(p) for p in sys.argv[2:]]
 
 def fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
+
+def metrics(path):
+    """The rows of a metrics.jsonl; [] when there is none."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 if kind == "attention":
     print(f"{'shape':<26} {'backend':<11} {'fwd':>7} {'TFLOP/s':>7} {'bwd':>7} {'fwd+bwd':>8} {'graphed':>8}  status")
@@ -412,29 +387,24 @@ if kind == "attention":
                   f" {fmt(r.get('bwd_ms')):>7} {fmt(r.get('fwdbwd_ms')):>8} {fmt(r.get('fwdbwd_graph_ms')):>8}"
                   f"  {r['status']}")
 elif kind == "train-steps":
-    print(f"{'size':<6} {'impl':<5} {'attn':<6} {'AdamW':<10} {'ms':>16} {'tokens/s':>9} {'MFU':>6} {'GiB':>6}  status")
+    print(f"{'size':<6} {'impl':<5} {'attn':<6} {'optimizer':<28} {'ms':>16} {'tokens/s':>9} {'MFU':>6} {'GiB':>6}"
+          "  status")
     for path in paths:
         if not path.exists():
             continue
         for r in json.loads(path.read_text())["rows"]:
-            adamw = "overlapped" if r.get("overlap_optimizer") else "after"
+            optimizer = (r.get("optimizer") or "adamw") + (" in backward" if r.get("overlap_optimizer") else " after")
+            optimizer += f" fp8={r['fp8']}" if r.get("fp8") not in (None, "off") else ""
             ms = f"{fmt(r.get('total_ms_mean'), '.2f')} ± {fmt(r.get('total_ms_std'), '.2f')}"
             mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-            adamw += " state=bf16" if r.get("optim_state_dtype") == "bf16" else ""
-            adamw += f" fp8={r['fp8']}" if r.get("fp8") not in (None, "off") else ""
-            adamw += " residual=autocast" if r.get("fp32_residual") is False else ""
-            adamw += " gate-up=apart" if r.get("fused_gate_up") is False else ""
-            print(f"{r['size']:<6} {r['impl']:<5} {r['attn']:<6} {adamw:<10} {ms:>16}"
+            print(f"{r['size']:<6} {r['impl']:<5} {r['attn']:<6} {optimizer:<28} {ms:>16}"
                   f" {fmt(r.get('tokens_per_s'), ',.0f'):>9} {mfu:>6} {fmt(r.get('peak_mem_gib'), '.2f'):>6}"
                   f"  {r['status']}")
 elif kind == "train-variants":
     names = [str(p) for p in paths[1:]] or ["plain", "packed", "variants"]
     print(f"{'run':<12} {'step ms':>8} {'tokens/s':>9} {'MFU':>6}  losses at each log step; validation")
     for name in names:
-        path = paths[0] / name / "metrics.jsonl"
-        if not path.exists():
-            continue
-        r = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        r = metrics(paths[0] / name / "metrics.jsonl")
         train = [x for x in r if "loss" in x and "step_ms" in x]
         val = [x for x in r if "val_loss" in x]
         if not train:
@@ -443,16 +413,26 @@ elif kind == "train-variants":
         mfu = f"{100 * last['mfu']:.1f}%" if last.get("mfu") is not None else "-"
         print(f"{name:<12} {last['step_ms']:>8.1f} {last['tokens_per_s']:>9,.0f} {mfu:>6}  "
               + " ".join(f"{x['loss']:.2f}" for x in train) + "; " + " ".join(f"{x['val_loss']:.3f}" for x in val))
+elif kind == "loop":
+    # bench_model.py: the mean of its timed steps. train.py: each metrics row's step_ms is the mean over the steps
+    # since the previous row (the warm-up steps excluded); the median over the rows.
+    bench = paths[0] / "bench" / "results.json"
+    rows = [r for r in json.loads(bench.read_text())["rows"] if r.get("status") == "ok"] if bench.exists() else []
+    windows = [x["step_ms"] for x in metrics(paths[0] / "train" / "metrics.jsonl") if "step_ms" in x]
+    step = rows[0]["total_ms_mean"] if rows else None
+    loop = statistics.median(windows) if windows else None
+    steps = rows[0]["steps"] if rows else "-"
+    print(f"bench_model.py train-step  {fmt(step, '.2f'):>8} ms  (mean of {steps} timed steps)")
+    print(f"train.py                   {fmt(loop, '.2f'):>8} ms  (median step_ms of {len(windows)} logged windows)")
+    if step is not None and loop is not None:
+        print(f"difference                 {loop - step:>+8.2f} ms  ({100 * (loop / step - 1):+.1f}%)")
+    print("(train.py with its defaults also clips, so its optimizer runs after the backward, and reads bytes: "
+          "vocabulary 256 against bench_model.py's 10000)")
 elif kind == "distributed":
     logs = paths[0]
-
-    def rows(name):
-        path = logs / name / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
     print(f"{'run':<15} {'tokens/s':>10} {'step ms':>8} {'MFU':>6} {'peak GiB/rank':>14}  losses")
     for name in ("ddp-1gpu", "ddp-2gpu", "fsdp-10B-2gpu"):
-        r = rows(name)
+        r = metrics(logs / name / "metrics.jsonl")
         if not r:
             continue
         last = r[-1]  # the last logging window: steady state, warm-up excluded
@@ -460,28 +440,29 @@ elif kind == "distributed":
         peak = f"{last['mem_peak_gib']:.1f}" if "mem_peak_gib" in last else "-"
         losses = " ".join(f"{x['loss']:.3f}" for x in r)
         print(f"{name:<15} {last['tokens_per_s']:>10,.0f} {last['step_ms']:>8.0f} {mfu:>6} {peak:>14}  {losses}")
-    one, two = rows("ddp-1gpu"), rows("ddp-2gpu")
+    one, two = metrics(logs / "ddp-1gpu" / "metrics.jsonl"), metrics(logs / "ddp-2gpu" / "metrics.jsonl")
     if one and two:
         ratio = two[-1]["tokens_per_s"] / one[-1]["tokens_per_s"]
         print(f"\nDDP 2 GPUs / 1 GPU tokens/s: {ratio:.2f}x (goal >= 1.85x): {'ok' if ratio >= 1.85 else 'BELOW GOAL'}")
-    fsdp = rows("fsdp-10B-2gpu")
+    fsdp = metrics(logs / "fsdp-10B-2gpu" / "metrics.jsonl")
     if fsdp:
         falling = fsdp[-1]["loss"] < fsdp[0]["loss"]
         print(f"FSDP 10B loss {fsdp[0]['loss']:.3f} -> {fsdp[-1]['loss']:.3f}: {'falling' if falling else 'NOT FALLING'}")
-EOF
+PYEOF
 }
 
 # --- main ------------------------------------------------------------------------------------------------------
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
+STEPS="tests attention train-steps headline loop train-variants fp8 profile distributed"
 steps=()
 for arg in "$@"; do
     case $arg in
         -n|--dry-run) DRY_RUN=1 ;;
         -h|--help) usage; exit 0 ;;
-        tests*|attention*|train-steps*|headline|train-variants|residual*|gate-up*|fp8*|profile*|distributed*) steps+=("$arg") ;;
-        *) echo "unknown step '$arg'; steps: tests attention train-steps headline train-variants residual gate-up fp8" \
-                "profile distributed (--help)" >&2
+        tests|tests:*|attention|attention:*|train-steps|train-steps:*|headline|loop|train-variants|fp8|fp8:*|profile|\
+        profile:*|distributed|distributed:*) steps+=("$arg") ;;
+        *) echo "unknown step '$arg'; steps: $STEPS (--help)" >&2
            exit 2 ;;
     esac
 done
@@ -491,7 +472,7 @@ mkdir -p "$OUT"
 if [ -d .wheels ] && [ "$DRY_RUN" = 0 ]; then  # what the GPU image lacks, without network access
     wheels=(einx wandb)
     [[ " ${steps[*]}" == *" train-steps"* ]] && wheels+=(transformers)
-    [[ " ${steps[*]}" == *" train-variants"* || " ${steps[*]}" == *" residual"* ]] && wheels+=(tokenizers)
+    [[ " ${steps[*]}" == *" train-variants"* ]] && wheels+=(tokenizers)
     [[ " ${steps[*]}" == *" fp8"* ]] && wheels+=(torchao)
     "$PY" -m pip install -q --no-index --find-links .wheels "${wheels[@]}" || echo "warning: installing ${wheels[*]} from .wheels failed"
 fi

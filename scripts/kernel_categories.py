@@ -19,7 +19,7 @@ from pathlib import Path
 CATEGORIES = [
     ("gemm", re.compile(r"nvjet|gemm|cutlass|sm90_xmma|Kernel2", re.I)),
     ("attention", re.compile(r"flash|fmha|sdpa|cudnn|attn", re.I)),
-    ("adamw", re.compile(r"multi_tensor_apply|adam", re.I)),  # torch's fused AdamW; training.adamw's adamw_step
+    ("adamw", re.compile(r"multi_tensor_apply|adam", re.I)),  # torch's fused AdamW; training/optim/adamw_bf16_kernel.py
     ("memset/copy", re.compile(r"Memset|Memcpy", re.I)),
     ("rope (model.fused_rope)", re.compile(r"^(split_rotate|merge_rotate_back)$")),
     ("elementwise (inductor)", re.compile(r"^triton_")),
