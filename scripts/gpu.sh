@@ -39,7 +39,7 @@
 #                         tensorwise (torchao's fastest recipe), with seeds 0 to 3 (FP8_SEEDS): the loss curves
 #                         side by side
 #   profile      bench_model.py --profile on ours (flash, compiled, CUDA graph; the optimizer steps during the
-#                backward on a second stream, so the kernel times of both streams add up to more than the step),
+#                backward on a second stream, so the kernel times of both streams can add up to more than the step),
 #                --optimizer adamw then adamw-bf16, then scripts/kernel_categories.py: GPU ms per step by kernel
 #                category. Parts: small, large, 2.7B (shapes as in train-steps); by default large and 2.7B
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
