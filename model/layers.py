@@ -84,7 +84,7 @@ class Linear(nn.Module):
     def keep_weight_copy(self, dtype: torch.dtype, storage: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A `dtype` copy of the weight that the autocast forward of that dtype reads instead of casting the weight
         in each call; returned for the optimizer, which must rewrite it whenever it updates the weight
-        (training/adamw.py). Loading a state dict into this layer (or a module holding it) refreshes it.
+        (training/optim/adamw_bf16.py). Loading a state dict into this layer (or a module holding it) refreshes it.
         storage: where the copy lives (the weight's shape, `dtype`), e.g. part of a tensor a fused matmul reads."""
         if self.weight.dtype != torch.float32:
             raise ValueError(f"a weight copy is read by the fp32-weight-gradient path only: this layer has a "

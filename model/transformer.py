@@ -96,7 +96,7 @@ class TransformerLM(nn.Module):
         """ids: (batch, seq) int64 -> logits (batch, seq, vocab), or the mean loss on targets (batch, seq).
 
         cache: sampling (model/generation.py); ids are then the tokens after those already in the cache.
-        doc_ids: (batch, seq) non-decreasing ints, packed documents (training/packing.py): attention stays within a
+        doc_ids: (batch, seq) non-decreasing ints, packed documents (training/data/sampling.py): attention stays within a
         document, and RoPE positions restart at 0 where each document starts."""
         if ids.shape[-1] > self.cfg.context_length:
             raise ValueError(f"sequence of {ids.shape[-1]} tokens exceeds context_length {self.cfg.context_length}")

@@ -9,8 +9,8 @@
 
 Every field is one command-line flag of the same name (training/cli.py). `resolve` fills the defaults that depend on
 the machine (device, precision, compile, CUDA graph, warm-up) and checks every rule, each written once here or in
-the module that owns it, with messages that name the flags. train.py, bench_model.py, sample.py and evaluate.py all
-go through it.
+the module that owns it, with messages that name the flags. train.py, bench_model.py and evaluate.py go through it;
+sample.py takes its defaults from here.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def option(default: Any, help: str, main: bool = False, choices: Optional[tuple]
 class ExecutionConfig:
     """How the model runs; none of it changes the weights a step computes beyond rounding."""
 
-    attn: str = option("sdpa", "attention backend from the registry (README: Attention backends)", main=True)
+    attn: str = option("sdpa", "attention backend by name (attention/registry.py; python -c 'import attention; print(attention.backend_names())')", main=True)
     dtype: Optional[str] = option(None, "compute precision: bf16/fp16 autocast over fp32 master weights (fp16 adds a "
                                         "gradient scaler); default bf16 on CUDA, fp32 on the CPU", True, tuple(DTYPES))
     compile: Optional[bool] = option(None, "torch.compile each block and the loss; default on with CUDA", True)

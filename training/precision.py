@@ -1,7 +1,7 @@
 """The autocast and the gradient scaler that go with a compute precision (training.config.DTYPES names them).
 
-Every precision keeps fp32 master weights and optimizer state: bf16 and fp16 run the forward and backward under
-autocast, fp16 adds a gradient scaler (CUDA only), fp32 computes in fp32.
+Every precision keeps fp32 master weights: bf16 and fp16 run the forward and backward under autocast, fp16 adds a
+gradient scaler (CUDA only), fp32 computes in fp32.
 """
 
 from __future__ import annotations

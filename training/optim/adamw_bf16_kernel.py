@@ -1,4 +1,4 @@
-"""The Triton kernel of training.adamw: one AdamW step of one flat parameter, every element read and written once.
+"""The Triton kernel of training/optim/adamw_bf16.py: one AdamW step of one flat parameter, every element read and written once.
 
 Imported on first use, so that TRITON_INTERPRET (the CPU interpreter, for tests) is read after it is set.
 """

@@ -22,7 +22,7 @@ from torch import nn
 
 def step_partitions(model: nn.Module) -> list[list[nn.Parameter]]:
     """The model's trainable parameters, each in a partition of its own: it steps as soon as its gradient is
-    accumulated (a partition per parameter hid more of the optimizer than one per block, docs/training.md)."""
+    accumulated (a partition per parameter hides more of the optimizer than one per block)."""
     return [[p] for p in model.parameters() if p.requires_grad]
 
 
