@@ -19,9 +19,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from attention.flash import hopper  # noqa: E402
-from attention.flash import triton as ft  # noqa: E402  (the delta pre-pass the Hopper backward reads)
-from attention.flash.hopper import HopperTiles as T  # noqa: E402
+from attention.flash.hopper import host as hopper  # noqa: E402
+from attention.flash.triton import host as ft  # noqa: E402  (the delta pre-pass the Hopper backward reads)
+from attention.flash.hopper.host import HopperTiles as T  # noqa: E402
 
 D = 128
 CANDIDATES = {"fwd": [T(3, 64, 3), T(2, 64, 4), T(2, 128, 2), T(2, 128, 3)],

@@ -19,9 +19,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from attention.flash import hopper, triton
+from attention.flash.hopper import host as hopper
+from attention.flash.triton import host as triton
 from attention.flash.common import as_bhsd, attention_function, bounds_of, default_scale, empty_like
-from attention.flash.triton import Tiles
+from attention.flash.triton.host import Tiles
 from attention.registry import (VARIANTS, UnsupportedInputError, graph_replay_requested,
                                 launches_replayed, register, validate_qkv, validate_variant)
 
@@ -481,7 +482,7 @@ def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=No
 
 # Registered after "flash", so list_attention() shows the kernel before its specification.
 from attention.flash.reference import FlashAttentionTorch  # noqa: E402
-from attention.flash import decode  # noqa: E402,F401  (the decode paths of flash and flash-torch)
+from attention.flash.decode import host as decode  # noqa: E402,F401  (the decode paths of flash and flash-torch)
 
 __all__ = ["FlashAttentionTorch", "FlashAttentionTriton", "KernelChoice", "Tiles", "choose_kernels",
            "flash_backward", "flash_forward", "kernels_in_use", "use_kernels"]

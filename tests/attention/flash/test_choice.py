@@ -11,7 +11,8 @@ import torch
 
 import attention
 from attention import UnsupportedInputError, flash_kernels, get_attention, use_kernels
-from attention.flash import KernelChoice, hopper
+from attention.flash import KernelChoice
+from attention.flash.hopper import host as hopper
 
 CUDA = torch.cuda.is_available()
 HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper._gluon_problem() is None

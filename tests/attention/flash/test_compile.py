@@ -59,7 +59,7 @@ def test_compiles_in_one_graph_and_matches_eager():
 def test_inductor_launches_the_kernels_itself(monkeypatch):
     from torch._inductor.utils import run_and_get_code
 
-    from attention.flash import triton as flash_triton
+    from attention.flash.triton import host as flash_triton
 
     torch._dynamo.reset()
     monkeypatch.setattr(flash_triton, "_kernel_module", None)  # first use under compile loads the kernels
@@ -105,14 +105,14 @@ def test_model_with_flash_trains_under_regional_compile():
     (torch.float16, 64, "tf32"), (torch.bfloat16, 256, "tf32"),
 ])
 def test_fp32_products_are_3xtf32_up_to_d128(dtype, d, expected):
-    from attention.flash.triton import _meta
+    from attention.flash.triton.host import _meta
 
     assert _meta(torch.empty(1, 1, 8, d, dtype=dtype), causal=True)["DOT_PRECISION"] == expected
 
 
 def _record_replayed(monkeypatch) -> list[tuple[str, bool]]:
     """Make the Hopper kernels' dispatch questions record (pass, replayed); the answers stay what they were."""
-    from attention.flash import hopper
+    from attention.flash.hopper import host as hopper
 
     asked: list[tuple[str, bool]] = []
     forward, backward = hopper.forward_problem, hopper.backward_problem

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from attention.flash import flash_attention, flash_backward, flash_forward, hopper, use_kernels
-from attention.flash.hopper import HopperTiles
+from attention.flash import flash_attention, flash_backward, flash_forward, use_kernels
+from attention.flash.hopper import host as hopper
+from attention.flash.hopper.host import HopperTiles
 from tests.attention.conftest import random_doc_ids
 
 CUDA = torch.cuda.is_available()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import triton
 
-from attention.flash import hopper, hopper_resources
-from attention.flash.hopper import HopperTiles
-from attention.flash.hopper_resources import KernelResources, dispatch_configs, main, resources, resources_of
+from attention.flash.hopper import host as hopper, resources as hopper_resources
+from attention.flash.hopper.host import HopperTiles
+from attention.flash.hopper.resources import KernelResources, dispatch_configs, main, resources, resources_of
 
 H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block of an H100 can take
 

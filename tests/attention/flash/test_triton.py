@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from attention import UnsupportedInputError, get_attention, list_attention, why_not
-from attention.flash import FlashAttentionTriton, Tiles, flash_backward, flash_forward, hopper, use_kernels
-from attention.flash import triton as flash_triton
+from attention.flash import FlashAttentionTriton, Tiles, flash_backward, flash_forward, use_kernels
+from attention.flash.hopper import host as hopper
+from attention.flash.triton import host as flash_triton
 import attention.flash as flash_pkg
 from attention.flash.common import empty, nan_filled_outputs
 from tests.attention.conftest import dtype_id, random_doc_ids, randn

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of
-from attention.flash.triton import Launch, delta_and_launch, plannable, work_order
+from attention.flash.triton.host import Launch, delta_and_launch, plannable, work_order
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -115,7 +115,7 @@ def _sm_count(device_index: int) -> int:
 @functools.cache
 def _gluon_problem() -> Optional[str]:
     try:
-        from attention.flash import hopper_kernels  # noqa: F401
+        from attention.flash.hopper import kernels  # noqa: F401
     except Exception as e:  # an older triton has no Gluon, or a Gluon API these kernels were not written for
         return f"triton's Gluon Hopper API is unavailable ({type(e).__name__}: {e})"
     return None
@@ -363,7 +363,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     for documents on the persistent grid, the order of its work items (see ForwardPlan)."""
     import triton
 
-    from attention.flash.hopper_kernels import attn_fwd_hopper
+    from attention.flash.hopper.kernels import attn_fwd_hopper
 
     b, h, n, d = q.shape
     t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0), masks.window, masks.starts is not None,
@@ -398,7 +398,7 @@ def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[
     - dQ at d 64 takes three consumers, as the forward does, when that still gives every SM four programs: 5-9%
       faster than two at N16384. At d 128 three consumers ran 44% slower than two.
     - dK/dV at d 128 keeps 32-row query tiles. Since L and delta moved to shared memory, 64-row tiles no longer
-      spill inside the loop (`python -m attention.flash.hopper_resources dkdv,128,2,64,4`), but they ran 2% slower
+      spill inside the loop (`python -m attention.flash.hopper.resources dkdv,128,2,64,4`), but they ran 2% slower
       (causal) and 1% slower (not causal) at B2 H16 N8192. dQ with two key tiles of 128 rows at d 64 ran 18-27%
       slower than three consumers.
     """
@@ -598,7 +598,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     per (batch, key/value head) and key rows, over the query tiles of its group's heads."""
     import triton
 
-    from attention.flash.hopper_kernels import attn_bwd_dkdv_hopper
+    from attention.flash.hopper.kernels import attn_bwd_dkdv_hopper
 
     b, h, n, d = q.shape
     _check_tiles(n, t)
@@ -619,7 +619,7 @@ def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     """The dQ kernel of `backward`: t.block_m query rows per consumer, key tiles of t.block_n streamed."""
     import triton
 
-    from attention.flash.hopper_kernels import attn_bwd_dq_hopper
+    from attention.flash.hopper.kernels import attn_bwd_dq_hopper
 
     b, h, n, d = q.shape
     _check_tiles(n, t)

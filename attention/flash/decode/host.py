@@ -105,9 +105,9 @@ def decode_reference_f64(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 @functools.cache
 def _kernels():
-    from attention.flash import decode_kernels  # imports triton.language: only when a kernel runs
+    from attention.flash.decode import kernels  # imports triton.language: only when a kernel runs
 
-    return decode_kernels
+    return kernels
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,

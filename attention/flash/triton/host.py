@@ -137,9 +137,9 @@ def _kernels():
     """The kernel module, imported on first use (TRITON_INTERPRET must be set before this)."""
     global _kernel_module
     if _kernel_module is None:
-        from attention.flash import triton_kernels
+        from attention.flash.triton import kernels
 
-        _kernel_module = triton_kernels
+        _kernel_module = kernels
     return _kernel_module
 
 
