@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from attention.flash.hopper import host as hopper
+from attention.flash.hopper import host as hopper, inputs as hopper_inputs
 from attention.flash.triton import host as triton
 from attention.flash.common import as_bhsd, attention_function, bounds_of, default_scale, empty_like
 from attention.flash.triton.host import Tiles
@@ -87,7 +87,7 @@ def _forward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causa
         return "use_kernels('triton') is in effect"
     if softcap:
         return NO_SOFTCAP
-    return hopper.forward_problem(q4, k4, v4, causal, replayed, capability, window, docs)
+    return hopper_inputs.forward_problem(q4, k4, v4, causal, replayed, capability, window, docs)
 
 
 def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, causal: bool,
@@ -98,7 +98,7 @@ def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4:
         return "use_kernels('triton') is in effect"
     if softcap:
         return NO_SOFTCAP
-    return hopper.backward_problem(q4, k4, v4, do4, causal, replayed, capability, window, docs)
+    return hopper_inputs.backward_problem(q4, k4, v4, do4, causal, replayed, capability, window, docs)
 
 
 _SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -111,9 +111,9 @@ def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bo
     if problem is not None:
         return f"triton: {problem}" + (f" ({replay})" if replayed else "")
     b, h, n, d = q4.shape
-    fewest = hopper.min_scores(d, pass_name, replayed)
-    bound = f"at least {hopper.power_of_two(fewest)}" if fewest else "any size"
-    scores = hopper.power_of_two(hopper.scores(b * h, n, causal, window))
+    fewest = hopper_inputs.min_scores(d, pass_name, replayed)
+    bound = f"at least {hopper_inputs.power_of_two(fewest)}" if fewest else "any size"
+    scores = hopper_inputs.power_of_two(hopper_inputs.scores(b * h, n, causal, window))
     return f"hopper: sm_90, {_SHORT_DTYPES[q4.dtype]}, d {d}, {scores} scores ({bound}" + (
         f", {replay})" if replayed else ")")
 
@@ -455,7 +455,7 @@ flash_opaque_op, flash_backward_opaque_op = _operator_pair("_opaque", traceable=
 def hopper_forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float,
                       window: Optional[int] = None, starts: Optional[torch.Tensor] = None,
                       ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of (batch, heads, seq, d) inputs that hopper.forward_problem accepted; window, starts, ends: the
+    """(o, lse) of (batch, heads, seq, d) inputs that hopper_inputs.forward_problem accepted; window, starts, ends: the
     hopper.Masks fields."""
     return hopper.run_forward(q4, k4, v4, causal, scale, window, starts, ends)
 
@@ -470,7 +470,7 @@ def hopper_backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4:
                        do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
                        starts: Optional[torch.Tensor] = None,
                        ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of (batch, heads, seq, d) inputs that hopper.backward_problem accepted; window, starts, ends: the
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that hopper_inputs.backward_problem accepted; window, starts, ends: the
     hopper.Masks fields."""
     return hopper.run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends)
 

@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from attention.flash.hopper.host import HopperTiles, _shared_layout, _stats_layout, backward_tiles_for, tiles_for
+from attention.flash.hopper.host import _shared_layout, _stats_layout
+from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
 
 H100_SMS = 132
 # Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as hopper.py launches them.

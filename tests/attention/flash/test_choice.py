@@ -12,11 +12,11 @@ import torch
 import attention
 from attention import UnsupportedInputError, flash_kernels, get_attention, use_kernels
 from attention.flash import KernelChoice
-from attention.flash.hopper import host as hopper
+from attention.flash.hopper import host as hopper, inputs as hopper_inputs
 
 CUDA = torch.cuda.is_available()
-HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper._gluon_problem() is None
-requires_gluon = pytest.mark.skipif(hopper._gluon_problem() is not None, reason="needs triton's Gluon")
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper_inputs.gluon_problem() is None
+requires_gluon = pytest.mark.skipif(hopper_inputs.gluon_problem() is not None, reason="needs triton's Gluon")
 SM90 = (9, 0)
 
 
@@ -97,7 +97,7 @@ def test_use_kernels_forces_triton():
 def test_backward_choice_looks_at_the_upstream_gradient():
     q, k, v = qkv(*LONG)
     other_order = torch.zeros(1, 8192, 16, 64, dtype=torch.bfloat16, device=q.device).transpose(1, 2)
-    if hopper._gluon_problem() is None:
+    if hopper_inputs.gluon_problem() is None:
         assert flash_kernels(q, k, v, causal=True, capability=SM90, do=other_order).backward == "hopper"
     transposed = torch.zeros(1, 16, 64, 8192, dtype=torch.bfloat16, device=q.device).transpose(-2, -1)
     choice = flash_kernels(q, k, v, causal=True, capability=SM90, do=transposed)
@@ -113,8 +113,8 @@ def test_the_launches_ask_the_choice(monkeypatch):
     """Eager flash asks the Hopper kernels' conditions through the choice, which use_kernels("triton") settles
     before asking."""
     asked = []
-    real = hopper.forward_problem
-    monkeypatch.setattr(hopper, "forward_problem", lambda *a, **kw: asked.append(1) or real(*a, **kw))
+    real = hopper_inputs.forward_problem
+    monkeypatch.setattr(hopper_inputs, "forward_problem", lambda *a, **kw: asked.append(1) or real(*a, **kw))
     q, k, v = qkv(1, 2, 40, 32, dtype=torch.float32, device="cuda" if CUDA else "cpu")
     flash = get_attention("flash")
     flash(q, k, v, causal=True)

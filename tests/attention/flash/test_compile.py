@@ -112,10 +112,10 @@ def test_fp32_products_are_3xtf32_up_to_d128(dtype, d, expected):
 
 def _record_replayed(monkeypatch) -> list[tuple[str, bool]]:
     """Make the Hopper kernels' dispatch questions record (pass, replayed); the answers stay what they were."""
-    from attention.flash.hopper import host as hopper
+    from attention.flash.hopper import inputs as hopper_inputs
 
     asked: list[tuple[str, bool]] = []
-    forward, backward = hopper.forward_problem, hopper.backward_problem
+    forward, backward = hopper_inputs.forward_problem, hopper_inputs.backward_problem
 
     def forward_problem(q, k, v, causal, replayed=False, *rest):
         asked.append(("forward", replayed))
@@ -125,8 +125,8 @@ def _record_replayed(monkeypatch) -> list[tuple[str, bool]]:
         asked.append(("backward", replayed))
         return backward(q, k, v, do, causal, replayed, *rest)
 
-    monkeypatch.setattr(hopper, "forward_problem", forward_problem)
-    monkeypatch.setattr(hopper, "backward_problem", backward_problem)
+    monkeypatch.setattr(hopper_inputs, "forward_problem", forward_problem)
+    monkeypatch.setattr(hopper_inputs, "backward_problem", backward_problem)
     return asked
 
 
