@@ -220,6 +220,35 @@ def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends))[:3]
 
 
+
+# Traced code (a triton_op's body) cannot look into Gluon launches: there each Hopper pass is an opaque operator.
+@torch.library.custom_op("flash_lm::flash_attn_fwd_hopper", mutates_args=())
+def forward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float,
+               window: Optional[int] = None, starts: Optional[torch.Tensor] = None,
+               ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_forward as an operator."""
+    return run_forward(q4, k4, v4, causal, scale, window, starts, ends)
+
+
+@forward_op.register_fake
+def _(q4, k4, v4, causal, scale, window=None, starts=None, ends=None):
+    return empty_like(q4), q4.new_empty(q4.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_lm::flash_attn_bwd_hopper", mutates_args=())
+def backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
+                do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
+                starts: Optional[torch.Tensor] = None,
+                ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """run_backward as an operator."""
+    return run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends)
+
+
+@backward_op.register_fake
+def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None):
+    return empty_like(q4), empty_like(k4), empty_like(v4)
+
+
 def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   masks: Masks) -> tuple:
     """(o, lse, launch, descriptors, item order) of forward() on inputs shaped as the registry takes them, or (b, h,

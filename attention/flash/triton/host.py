@@ -532,12 +532,13 @@ class BackwardPlan:
 
 
 def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    window: Optional[int] = None, softcap: Optional[float] = None,
-                    bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
+                    window: Optional[int] = None, softcap: Optional[float] = None, bounds: Optional[tuple] = None,
+                    tiles: Optional[Tiles] = None,
+                    traceable: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
     """(o, lse) as forward() computes them (bounds: the documents' bounds, ForwardPlan's), and the plan that repeats
     the call for inputs of the same signature; None where there is none yet (the autotuner launched the kernel) or
-    can be none."""
-    o, lse, launch = _forward(q, k, v, causal, scale, None, False, window, softcap, bounds)
+    can be none (traced, more than 4 dims)."""
+    o, lse, launch = _forward(q, k, v, causal, scale, tiles, traceable, window, softcap, bounds)
     if launch is None or not plannable(q, k, v):
         return o, lse, None
     return o, lse, ForwardPlan(launch, tuple(lse.shape))
@@ -545,10 +546,11 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                      do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                     softcap: Optional[float] = None, bounds: Optional[tuple] = None) -> tuple:
-    """(dq, dk, dv, plan): backward(), and the plan that repeats it, as planned_forward. lse: contiguous, as
-    forward() makes it."""
-    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, None, False, window, softcap, bounds)
+                     softcap: Optional[float] = None, bounds: Optional[tuple] = None,
+                     tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False) -> tuple:
+    """(dq, dk, dv, plan): backward(), and the plan that repeats it, as planned_forward. The plan needs lse
+    contiguous, as forward() makes it."""
+    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, bounds)
     if launches is None or not plannable(q, k, v, o, do) or not lse.is_contiguous():
         return dq, dk, dv, None
     return dq, dk, dv, BackwardPlan(launches, tuple(as_bhsd(o).shape[:-1]))
