@@ -165,10 +165,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         replayed = launches_replayed() if replayed is None else replayed
         kernels = _kernels if kernels is None else kernels
         if _forward_problem(q4, k4, v4, causal, replayed, kernels, None, False, window, bounds is not None) is None:
-            if traceable:
-                o4, lse4 = hopper.forward_op(q4, k4, v4, causal, scale, window, *(bounds or (None, None)))
-                return o4.reshape(q.shape), lse4.reshape(q.shape[:-1]), None
-            return hopper.planned_forward(q, k, v, causal, scale, window, bounds)
+            if not traceable and q.dim() <= 4:
+                return hopper.planned_forward(q, k, v, causal, scale, window, bounds)
+            # Traced, or more than 4 dims (no plan): on the (batch, heads, seq, d) views, outputs in their order.
+            run = hopper.forward_op if traceable else hopper.run_forward
+            o4, lse4 = run(q4, k4, v4, causal, scale, window, *(bounds or (None, None)))
+            return o4.reshape(q.shape), lse4.reshape(q.shape[:-1]), None
     return triton.planned_forward(q, k, v, causal, scale, window, softcap, bounds, tiles, traceable)
 
 
@@ -187,11 +189,11 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
         if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, None, False, window,
                              bounds is not None) is None:
             lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
-            if traceable:
-                grads = hopper.backward_op(q4, k4, v4, as_bhsd(o), lse, do4, causal, scale, window,
-                                           *(bounds or (None, None)))
-                return (*(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v))), None)
-            return hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window, bounds)
+            if not traceable and q.dim() <= 4:
+                return hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window, bounds)
+            run = hopper.backward_op if traceable else hopper.run_backward
+            grads = run(q4, k4, v4, as_bhsd(o), lse, do4, causal, scale, window, *(bounds or (None, None)))
+            return (*(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v))), None)
     return triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds, tiles, traceable)
 
 
