@@ -15,7 +15,7 @@ caller's promise (n_new <= cache_len <= max_len); they live on the device and ar
 step never waits for the host and can be captured in a CUDA graph.
 
 This module holds those semantics (`decode_naive`, the reference) and registers the decode paths of `naive`,
-`sdpa` and `flex`; `flash` and `flash-torch` have a split-KV version of their own (attention/flash/decode.py).
+`sdpa` and `flex`; `flash` and `flash-torch` have a split-KV version of their own (attention/flash/decode/).
 Callers reach them as `get_attention(name).decode(q, k_cache, v_cache, cache_len)`.
 """
 

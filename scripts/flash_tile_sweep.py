@@ -1,7 +1,7 @@
 """Sweep the tiles of each of flash's Triton kernels (the other kernels at their tuned config), bf16, on a CUDA GPU.
 
 Prints the five fastest configs per kernel and shape, and the autotuner's pick: what SEARCH_SPACES in
-attention/flash/triton.py were chosen from. Needs autotuning on (do not set FLASH_ATTN_AUTOTUNE=0).
+attention/flash/triton/host.py were chosen from. Needs autotuning on (do not set FLASH_ATTN_AUTOTUNE=0).
 
     python scripts/flash_tile_sweep.py [fwd] [dkdv] [dq]      # default: all three
 """
@@ -14,8 +14,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from attention.flash import triton as ft  # noqa: E402  the Triton kernels directly, never the Hopper ones
-from attention.flash.triton import Tiles as T  # noqa: E402
+from attention.flash.triton import host as ft  # noqa: E402  the Triton kernels directly, never the Hopper ones
+from attention.flash.triton.host import Tiles as T  # noqa: E402
 
 CANDIDATES = {
     "fwd": [T(64, 64, 4, 3), T(64, 64, 4, 4), T(128, 64, 4, 3), T(128, 64, 8, 3), T(128, 64, 8, 4), T(128, 64, 4, 4),

@@ -1,5 +1,5 @@
 """Time tile configs of flash's Hopper forward and dK/dV kernels at d 128 against each other and cuDNN, bf16, on an
-sm_90 GPU: what hopper.tiles_for and hopper.backward_tiles_for were chosen from at that head dim.
+sm_90 GPU: what tiles_for and backward_tiles_for (attention/flash/hopper/tiles.py) were chosen from at that head dim.
 
 Configs take turns over --rounds rounds (each round in the reverse order of the one before), and every timing is a
 do_bench median, so a config's spread across rounds shows the machine's noise. The forward's error is against cuDNN's
@@ -19,9 +19,10 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from attention.flash import hopper  # noqa: E402
-from attention.flash import triton as ft  # noqa: E402  (the delta pre-pass the Hopper backward reads)
-from attention.flash.hopper import HopperTiles as T  # noqa: E402
+from attention.flash.hopper import host as hopper  # noqa: E402
+from attention.flash.triton import host as ft  # noqa: E402  (the delta pre-pass the Hopper backward reads)
+from attention.flash.hopper.inputs import gluon_problem  # noqa: E402
+from attention.flash.hopper.tiles import HopperTiles as T, backward_tiles_for  # noqa: E402
 
 D = 128
 CANDIDATES = {"fwd": [T(3, 64, 3), T(2, 64, 4), T(2, 128, 2), T(2, 128, 3)],
@@ -79,7 +80,7 @@ def sweep(kernels: list[str], shapes: list[tuple], rounds: int) -> list[tuple]:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale)
             dk_ref, dv_ref = dk.clone(), dv.clone()
-            dq_tiles = hopper.backward_tiles_for(D, n, b * h, hopper._sm_count(0))["dq"]
+            dq_tiles = backward_tiles_for(D, n, b * h, hopper._sm_count(0))["dq"]
             add("dq alone", median_ms(lambda: hopper.backward_dq(q, k, v, do, lse, delta, dq, causal, scale,
                                                                  dq_tiles), 3), 1.5 * fwd_flop)
             for r in range(rounds):
@@ -108,7 +109,7 @@ def main() -> None:
     unknown = set(args.kernels) - set(CANDIDATES)
     if unknown:
         parser.error(f"unknown kernels {', '.join(sorted(unknown))}: choose from {', '.join(CANDIDATES)}")
-    if hopper._gluon_problem() is not None or not torch.cuda.is_available() \
+    if gluon_problem() is not None or not torch.cuda.is_available() \
             or torch.cuda.get_device_capability() != (9, 0):
         sys.exit(f"{sys.argv[0]} needs an sm_90 GPU and triton's Gluon")
     rows = sweep(args.kernels or list(CANDIDATES), args.shapes, args.rounds)

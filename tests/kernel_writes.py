@@ -61,7 +61,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         triton.runtime.driver.set_active(_Sm90())
     torch.library.wrap_triton = _Analysed
-    from attention.flash import triton as flash
+    from attention.flash.triton import host as flash
     from model import fused_rope, fused_swiglu
 
     gate_up = torch.randn(2, 8, 64, dtype=torch.bfloat16)

@@ -1,21 +1,14 @@
-"""What both flash implementations share: output buffers, (batch, heads, seq, d) views, the autograd.Function."""
+"""What flash's kernels and its reference share: output buffers, (batch, heads, seq, d) views, document bounds."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
 from attention.masks import doc_bounds
-from attention.registry import Variant
-
-# (q, k, v, causal, scale, window, softcap, doc_ids) -> the resolved scale, raising UnsupportedInputError for inputs
-# that cannot run.
-Check = Callable[..., float]
-Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 _nan_filled = False
 
@@ -78,34 +71,3 @@ def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 def default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-
-
-def attention_function(name: str, doc: str, check: Check, forward: Forward,
-                       backward: Backward) -> type[torch.autograd.Function]:
-    """An autograd.Function `name.apply(q, k, v, is_causal=False, scale=None, window=None, softcap=None,
-    doc_ids=None)` on (..., seq, d_head).
-
-    It saves q, k, v, o and the logsumexp L; L is the only saved tensor shaped q.shape[:-1] (the CS336 harness finds
-    it that way). check(q, k, v, causal, scale, window, softcap, doc_ids) -> the resolved scale; forward(q, k, v,
-    causal, scale, window=, softcap=, doc_ids=) -> (o, L); backward(q, k, v, o, L, dO, causal, scale, window=,
-    softcap=, doc_ids=) -> (dq, dk, dv). The variants go to forward and backward only when used.
-    """
-
-    def forward_(ctx, q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None):
-        causal = bool(is_causal)
-        scale = check(q, k, v, causal, scale, window, softcap, doc_ids)
-        variant = Variant(window, softcap, doc_ids).kwargs()
-        o, lse = forward(q, k, v, causal, scale, **variant)
-        # doc_ids is saved as a tensor too: autograd then refuses a backward after it was changed in place.
-        ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
-        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
-        return o
-
-    def backward_(ctx, do):
-        q, k, v, o, lse, *doc_ids = ctx.saved_tensors
-        variant = Variant(ctx.window, ctx.softcap, doc_ids[0] if doc_ids else None).kwargs()
-        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, **variant)
-        return dq, dk, dv, None, None, None, None, None
-
-    return type(name, (torch.autograd.Function,),
-                {"__doc__": doc, "forward": staticmethod(forward_), "backward": staticmethod(backward_)})

@@ -1,6 +1,6 @@
 """`flash-torch`: FlashAttention-2 written tile by tile in plain PyTorch (`FlashAttentionTorch`).
 
-The readable specification of the algorithm the Triton kernels of attention/flash/triton_kernels.py implement;
+The readable specification of the algorithm the Triton kernels of attention/flash/triton/kernels.py implement;
 read this first. It never materialises the (seq_q, seq_k) score matrix: memory beyond the inputs and outputs is
 one (Q_TILE, K_TILE) tile at a time. It is slow (Python loops over tiles) but runs on any device and
 dtype, CPU included.
@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from attention.flash.common import as_bhsd, attention_function, default_scale, empty
+from attention.flash.common import as_bhsd, default_scale, empty
 from attention.masks import doc_bounds
 from attention.registry import VARIANTS, kv_groups, register, validate_qkv, validate_variant
 
@@ -189,19 +189,36 @@ def flash_backward_torch(
     return dq5.to(q.dtype).reshape(q.shape), dk5.reshape(k.shape), dv5.reshape(v.shape)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
-           window: Optional[int] = None, softcap: Optional[float] = None,
-           doc_ids: Optional[torch.Tensor] = None) -> float:
-    validate_qkv(q, k, v, causal, allow_gqa=True)
-    validate_variant(q, k, causal, window, softcap, doc_ids)
-    return default_scale(q, scale)
+class _FlashTorch(torch.autograd.Function):
+    """flash_forward_torch and flash_backward_torch on inputs the registry validated: what `flash-torch` runs. It
+    saves q, k, v, O and L, the only saved tensor shaped q.shape[:-1]; doc_ids too, so that autograd refuses a
+    backward after an in-place change."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, window=None, softcap=None, doc_ids=None):
+        o, lse = flash_forward_torch(q, k, v, causal, scale, window, softcap, doc_ids)
+        ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
+        ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, scale, window, softcap
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, *doc_ids = ctx.saved_tensors
+        dq, dk, dv = flash_backward_torch(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.window, ctx.softcap,
+                                          doc_ids[0] if doc_ids else None)
+        return dq, dk, dv, None, None, None, None, None
 
 
-FlashAttentionTorch = attention_function(
-    "FlashAttentionTorch",
-    "`FlashAttentionTorch.apply(q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None)` on "
-    "(..., seq, d_head).",
-    _check, flash_forward_torch, flash_backward_torch)
+class FlashAttentionTorch(_FlashTorch):
+    """`FlashAttentionTorch.apply(q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None)` on
+    (..., seq, d_head), checking its inputs as the registry does (the CS336 assignment's class)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False, scale=None, window=None, softcap=None, doc_ids=None):
+        causal = bool(is_causal)
+        validate_qkv(q, k, v, causal, allow_gqa=True)
+        validate_variant(q, k, causal, window, softcap, doc_ids)
+        return _FlashTorch.forward(ctx, q, k, v, causal, default_scale(q, scale), window, softcap, doc_ids)
 
 
 @register("flash-torch", description="FlashAttention-2 tile by tile in PyTorch: the readable spec of `flash`; slow",
@@ -210,4 +227,4 @@ def flash_attention_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
     softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return FlashAttentionTorch.apply(q, k, v, causal, scale, window, softcap, doc_ids)
+    return _FlashTorch.apply(q, k, v, causal, scale, window, softcap, doc_ids)

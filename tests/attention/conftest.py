@@ -1,8 +1,8 @@
 """Shared pieces of the flash tests: the interpreter switch, the float64 reference and the shape cases.
 
 Without a GPU the Triton kernels run in the CPU interpreter, which must be switched on before the
-kernels load (attention/flash/triton.py imports them on first use, so setting it here, at conftest import, is
-early enough even if `attention` itself was imported already). tests/conftest.py sets it first.
+kernels load (attention/flash/triton/host.py imports them on first use) and before `attention` is imported, which
+defines flash's operators for the interpreter or the GPU (attention/flash/api.py). tests/conftest.py sets it first.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 @pytest.fixture(autouse=True)
 def no_eager_plans(monkeypatch):
-    """Each test starts without the eager plans of flash (attention/flash/__init__.py) that earlier tests made: a
+    """Each test starts without the eager plans of flash (attention/flash/dispatch.py) that earlier tests made: a
     signature seen before would run its plan and skip the choice of kernels that tests record."""
-    import attention.flash
+    from attention.flash import dispatch
 
-    monkeypatch.setattr(attention.flash, "_plans", {})
+    monkeypatch.setattr(dispatch, "_plans", {})
 
 
 def dtype_id(dtype: torch.dtype) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attention import UnsupportedInputError, get_attention, why_not_decode
-from attention.flash.decode import decode_reference_f64
+from attention.flash.decode.host import decode_reference_f64
 from tests.attention.conftest import DEVICE, randn
 
 DECODERS = ["naive", "sdpa", "flash-torch", "flash", "flex"]

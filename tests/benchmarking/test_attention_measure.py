@@ -41,7 +41,7 @@ def flash_row_on_cpu() -> dict:
 def test_flash_rows_say_which_kernels_ran_and_why():
     # CPU tensors, so the Triton interpreter: chosen before the kernels load, which on a GPU machine (no
     # TRITON_INTERPRET in this process) means a fresh process with TRITON_INTERPRET=1.
-    from attention.flash import triton as flash_triton
+    from attention.flash.triton import host as flash_triton
 
     if flash_triton.interpreting():
         row = flash_row_on_cpu()

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from attention.flash.decode import chunk_bounds, decode_reference_f64, decode_split_torch, decode_triton
+from attention.flash.decode.host import chunk_bounds, decode_reference_f64, decode_split_torch, decode_triton
 from tests.attention.conftest import DEVICE, randn
 
 # (cache length, split counts): one that divides the length and one that does not (empty chunks included).

@@ -1,6 +1,7 @@
-"""flash's Gluon Hopper kernels (attention/flash/hopper.py): which inputs they take, the 2-D views their descriptors
-read, and on an sm_90 GPU the forward's O and L and the backward's dQ, dK, dV against float64, through flash's
-dispatch, autograd and torch.compile."""
+"""flash's Gluon Hopper kernels through their host code (attention/flash/hopper/host.py): the 2-D views their
+descriptors read, and on an sm_90 GPU the forward's O and L and the backward's dQ, dK, dV against float64, directly and
+through flash's dispatch, plans, autograd and torch.compile. test_hopper_inputs.py has which inputs they take,
+test_hopper_tiles.py their tiles."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import time
 import pytest
 import torch
 
-from attention.flash import flash_attention, flash_backward, flash_forward, hopper, use_kernels
-from attention.flash.hopper import HopperTiles
+from attention.flash import flash_attention, flash_backward, flash_forward, use_kernels
+from attention.flash.hopper import host as hopper, inputs as hopper_inputs
+from attention.flash.hopper.tiles import HopperTiles
 from tests.attention.conftest import random_doc_ids
 
 CUDA = torch.cuda.is_available()
-HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper._gluon_problem() is None
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper_inputs.gluon_problem() is None
 requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and triton's Gluon")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -80,7 +82,7 @@ def test_rows_view_refuses_other_memory_orders():
     assert hopper.rows_view(randn(2, 3, 10, 8, device="cpu")[:, :, ::2]) is None  # strided seq
 
 
-@pytest.mark.skipif(hopper._gluon_problem() is not None, reason="needs triton's Gluon")
+@pytest.mark.skipif(hopper_inputs.gluon_problem() is not None, reason="needs triton's Gluon")
 def test_output_descriptor_needs_the_input_memory_order():
     q = randn(2, 3, 128, 64, dtype=torch.bfloat16, device="cpu")
     _, q_index = hopper._descriptor(q, 64)
@@ -91,7 +93,7 @@ def test_output_descriptor_needs_the_input_memory_order():
         hopper._output_descriptor(other_order, q_index, 64)
 
 
-@pytest.mark.skipif(hopper._gluon_problem() is not None, reason="needs triton's Gluon")
+@pytest.mark.skipif(hopper_inputs.gluon_problem() is not None, reason="needs triton's Gluon")
 def test_row_stats_descriptor_covers_the_flat_vector():
     lse = randn(2 * 3, 256, device="cpu")  # (batch * heads, seq) fp32
     desc = hopper._row_stats_descriptor(lse, 64)
@@ -100,102 +102,6 @@ def test_row_stats_descriptor_covers_the_flat_vector():
         hopper._row_stats_descriptor(randn(256, 6, device="cpu").t(), 64)
     with pytest.raises(ValueError, match="contiguous float32"):
         hopper._row_stats_descriptor(lse.double(), 64)
-
-
-def test_forward_problem_names_the_reason():
-    q = randn(1, 2, 128, 64, device="cpu")
-    assert hopper.forward_problem(q, q, q, True) == "the Hopper kernels need CUDA tensors"
-    assert hopper.backward_problem(q, q, q, q, True) == "the Hopper kernels need CUDA tensors"
-    assert "got dO torch.float16 and q torch.float32" in hopper.backward_problem(q, q, q, q.half(), True)
-
-
-@requires_hopper
-@pytest.mark.parametrize("q_shape, k_len, dtype, message", [
-    ((1, 2, 128, 80), 128, torch.bfloat16, "head dims"),
-    ((1, 2, 128, 64), 128, torch.float32, "float16 and bfloat16"),
-    ((1, 2, 200, 64), 200, torch.bfloat16, "multiple of 128"),
-    ((1, 2, 128, 64), 256, torch.bfloat16, "as many keys as queries"),
-], ids=["d80", "fp32", "n200", "n_k"])
-def test_forward_problem_on_the_gpu(monkeypatch, q_shape, k_len, dtype, message):
-    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
-    b, h, n, d = q_shape
-    q = randn(b, h, n, d, dtype=dtype)
-    k = randn(b, h, k_len, d, dtype=dtype)
-    assert message in hopper.forward_problem(q, k, k, False)
-    assert message in hopper.backward_problem(q, k, k, q, False)
-    ok = randn(1, 2, 256, 64, dtype=torch.bfloat16)
-    assert hopper.forward_problem(ok, ok, ok, True) is None
-    assert hopper.backward_problem(ok, ok, ok, ok, True) is None
-    assert "need dO in (batch, heads, seq, d)" in hopper.backward_problem(ok, ok, ok, ok.transpose(-2, -1), True)
-    monkeypatch.setattr(hopper, "MIN_SCORES", 2**16 + 1)  # 2 * 256^2 / 2 = 2^16 causal scores
-    assert "too few" in hopper.forward_problem(ok, ok, ok, True)
-    assert hopper.forward_problem(ok, ok, ok, False) is None
-    # Replayed from a CUDA graph, host time does not count: the backward takes any size, the d-64 forward from
-    # REPLAYED_FORWARD_MIN_SCORES.
-    assert hopper.backward_problem(ok, ok, ok, ok, True, replayed=True) is None
-    assert "less GPU time" in hopper.forward_problem(ok, ok, ok, True, replayed=True)
-
-
-def test_min_scores_depend_on_pass_head_dim_and_replay(monkeypatch):
-    monkeypatch.setattr(hopper, "MIN_SCORES", 2**28)
-    monkeypatch.setattr(hopper, "REPLAYED_FORWARD_MIN_SCORES", {64: 2**27, 128: 0})
-    for d in (64, 128):
-        for pass_name in ("forward", "backward"):
-            assert hopper.min_scores(d, pass_name, replayed=False) == 2**28
-        assert hopper.min_scores(d, "backward", replayed=True) == 0
-    assert hopper.min_scores(64, "forward", replayed=True) == 2**27
-    assert hopper.min_scores(128, "forward", replayed=True) == 0
-
-
-def test_three_consumers_only_when_every_sm_gets_four_programs():
-    assert hopper.tiles_for(64, 16384, 16, 132).consumers == 3  # 16 * 86 programs
-    assert hopper.tiles_for(64, 4096, 16, 132).consumers == 2  # 16 * 22 = 352 < 528
-    assert not hopper.tiles_for(64, 16384, 16, 132).persistent
-
-
-def test_d128_takes_128_key_tiles_without_a_mask_and_on_long_causal_rows():
-    wide = hopper.HopperTiles(consumers=2, block_n=128, stages=3)
-    long_rows = hopper.WIDE_KEY_TILES_MIN_CAUSAL_SEQ
-    assert hopper.tiles_for(128, 1024, 16, 132, causal=False) == wide
-    assert hopper.tiles_for(128, long_rows, 16, 132, causal=True) == wide
-    assert hopper.tiles_for(128, long_rows // 2, 128, 132, causal=True) == hopper.HopperTiles(3, 64, 3)
-    assert hopper.tiles_for(128, long_rows, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW).block_n == 64
-    assert hopper.tiles_for(64, long_rows, 64, 132, causal=False).consumers == 3  # d 64 keeps three consumers
-    # one query block, three slots of K and V tiles: 224 of an H100 SM's 227 KB of shared memory
-    assert (wide.rows + 2 * wide.stages * wide.block_n) * 128 * 2 <= 227 * 1024
-
-
-def test_short_key_ranges_run_the_persistent_forward():
-    for d in hopper.HEAD_DIMS:
-        assert hopper.tiles_for(d, 16384, 16, 132, docs=True).persistent
-        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW - 1).persistent
-        assert not hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW).persistent
-        # three consumers for documents alone and for longer windows, two for both together and short windows
-        assert hopper.tiles_for(d, 16384, 16, 132, docs=True).consumers == 3
-        assert hopper.tiles_for(d, 16384, 16, 132, window=1024, docs=True).consumers == 2
-        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.PERSISTENT_MAX_WINDOW - 1, docs=True).consumers == 2
-        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.THREE_CONSUMERS_MIN_WINDOW - 1).consumers == 2
-        assert hopper.tiles_for(d, 16384, 16, 132, window=hopper.THREE_CONSUMERS_MIN_WINDOW).consumers == 3
-        for window in (None, 256, 1024):
-            t = hopper.tiles_for(d, 16384, 16, 132, window=window, docs=window is None)
-            q_buffers = 2 * t.consumers * t.block_m  # the persistent forward's two buffers of query rows
-            assert (q_buffers + 2 * t.stages * t.block_n) * d * 2 <= 227 * 1024
-    for d in hopper.HEAD_DIMS:
-        for t in (hopper.tiles_for(d, 16384, 16, 132), hopper.tiles_for(d, 128, 1, 132)):
-            assert hopper.SEQ_MULTIPLE % t.block_n == 0 and hopper.SEQ_MULTIPLE % t.block_m == 0
-
-
-def test_backward_tiles():
-    assert hopper.backward_tiles_for(64, 16384, 16, 132)["dq"].consumers == 3
-    assert hopper.backward_tiles_for(64, 4096, 16, 132)["dq"].consumers == 2
-    for d in hopper.HEAD_DIMS:
-        for n, bh in ((16384, 16), (128, 1)):
-            for kernel, t in hopper.backward_tiles_for(d, n, bh, 132).items():
-                assert hopper.SEQ_MULTIPLE % t.block_n == 0 and hopper.SEQ_MULTIPLE % t.block_m == 0
-                # two resident and `stages` pairs of streamed bf16 tiles, and for dK/dV the streamed tiles' fp32 L
-                # and delta, in one SM's 227 KB of shared memory
-                stats = 2 * t.stages * t.block_n * 4 if kernel == "dkdv" else 0
-                assert (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 + stats <= 227 * 1024
 
 
 TILES = [HopperTiles(consumers=2, block_n=128, stages=3), HopperTiles(consumers=3, block_n=128, stages=3),
@@ -245,7 +151,7 @@ def test_gqa_forward_matches_float64(layout, causal, h, h_kv, d):
 
 @requires_hopper
 def test_gqa_through_flash_runs_the_hopper_kernels(monkeypatch):
-    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     calls = record_hopper_calls(monkeypatch)
     q = make_qkv(2, 4, 256, 64, torch.bfloat16, "bshd", seed=5)[0].requires_grad_()
     k, v = (t.requires_grad_() for t in make_qkv(2, 2, 256, 64, torch.bfloat16, "bshd", seed=6)[:2])
@@ -262,7 +168,7 @@ def test_gqa_through_flash_runs_the_hopper_kernels(monkeypatch):
 
 @requires_hopper
 def test_flash_runs_it_unless_triton_is_asked_for(monkeypatch):
-    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     calls = []
     real = hopper.forward
     monkeypatch.setattr(hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -280,7 +186,7 @@ def test_flash_runs_it_unless_triton_is_asked_for(monkeypatch):
 @requires_hopper
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gradients_through_flash_match_float64(monkeypatch, compiled):
-    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     calls = record_hopper_calls(monkeypatch)
     torch._dynamo.reset()
     flash = flash_attention
@@ -378,7 +284,7 @@ def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d):
 
 @requires_hopper
 def test_flash_backward_runs_it_unless_triton_is_asked_for(monkeypatch):
-    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     calls = []
     real = hopper.backward
     monkeypatch.setattr(hopper, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -401,7 +307,7 @@ def test_flash_backward_runs_it_unless_triton_is_asked_for(monkeypatch):
 @requires_hopper
 def test_backward_replays_in_a_cuda_graph(monkeypatch):
     """dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager result."""
-    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bhsd", seed=11)
     do = randn(2, 4, 512, 64, seed=12, dtype=torch.bfloat16)
     o, lse = flash_forward(q, k, v, True, 0.125)
@@ -425,7 +331,7 @@ def test_backward_replays_in_a_cuda_graph(monkeypatch):
 def test_short_problems_take_the_hopper_kernels_only_when_replayed(monkeypatch):
     """Below MIN_SCORES eager calls keep the Triton kernels; a captured call takes the Hopper backward (any size) and
     the Hopper forward at d 128, and its replay gives what the eager call gave."""
-    import attention.flash as flash_pkg
+    from attention.flash import dispatch
     from attention import get_attention, graph_replay
 
     calls = []
@@ -460,9 +366,9 @@ def test_short_problems_take_the_hopper_kernels_only_when_replayed(monkeypatch):
         with torch.cuda.graph(graph):
             out = flash(q, k, v, causal=True)
             out.backward(do)
-    # The capture launched the Hopper kernels through the plans the warm-up resolved (attention/flash/__init__.py).
+    # The capture launched the Hopper kernels through the plans the warm-up resolved (attention/flash/dispatch.py).
     assert calls == [] and any(isinstance(plan, hopper.ForwardPlan) and backward and all(
-        isinstance(b, hopper.BackwardPlan) for b in backward.values()) for plan, backward in flash_pkg._plans.values())
+        isinstance(b, hopper.BackwardPlan) for b in backward.values()) for plan, backward in dispatch._plans.values())
     replayed = [out.detach(), q.grad, k.grad, v.grad]  # detach: the same memory, without the autograd view rules
     for t in replayed:
         t.fill_(float("nan"))
@@ -505,13 +411,6 @@ MASK_CASES = {  # name: (causal, window, documents as (shortest, longest) length
     "window100-docs": (True, 100, (30, 500)),
 }
 THREE_CONSUMERS = {"fwd": HopperTiles(3, 128, 3), "bwd": {"dkdv": HopperTiles(2, 64, 4), "dq": HopperTiles(3, 64, 4)}}
-
-
-def test_a_window_counts_the_scores_of_the_tiles_it_visits():
-    assert hopper.scores(2, 1024, True) == 2 * 1024 * 1024 // 2
-    assert hopper.scores(2, 1024, True, window=100) == 2 * 1024 * (100 + 128)  # its band and a tile
-    assert hopper.scores(2, 1024, False, window=100) == 2 * 1024 * (200 + 128)
-    assert hopper.scores(2, 1024, True, window=4096) == hopper.scores(2, 1024, True)  # no more than without
 
 
 def test_masks_hand_the_kernels_document_bounds():
@@ -603,7 +502,7 @@ def test_the_persistent_forward_is_the_forward_of_a_program_per_item(case, h, h_
 def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, compiled, window, docs):
     """The registry's flash with a window, and packed documents (doc_ids broadcast over two leading dims), takes the
     Hopper kernels, eager and compiled; it matches float64."""
-    monkeypatch.setattr(hopper, "MIN_SCORES", 0)
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     calls = record_hopper_calls(monkeypatch)
     torch._dynamo.reset()
     flash = torch.compile(flash_attention, fullgraph=True) if compiled else flash_attention
@@ -629,7 +528,7 @@ def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, com
 def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
     """The second eager call of a signature the Hopper kernels run launches the resolved kernels with the first
     call's descriptors pointed at its tensors, and gives bitwise what the general path gives."""
-    import attention.flash as flash_pkg
+    from attention.flash import dispatch
     from attention import get_attention, graph_replay
 
     flash = get_attention("flash")
@@ -637,7 +536,7 @@ def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
         first = [t.requires_grad_() for t in make_qkv(2, 4, 256, 128, torch.bfloat16, layout, seed=0)]
         o = flash(*first, causal=True)
         torch.autograd.grad(o, first, randn(*o.shape, seed=3, dtype=torch.bfloat16))
-        (plan, backward_plans), = flash_pkg._plans.values()
+        (plan, backward_plans), = dispatch._plans.values()
         assert isinstance(plan, hopper.ForwardPlan)
         assert [type(p) for p in backward_plans.values()] == [hopper.BackwardPlan]
         inputs = [t.requires_grad_() for t in make_qkv(2, 4, 256, 128, torch.bfloat16, layout, seed=10)]
@@ -659,7 +558,7 @@ def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
 def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatch):
     """With documents, the second call of a signature runs its plans (at this size the Triton forward's, the Hopper
     backward's) with its own documents' bounds, and gives bitwise what the general path gives for those documents."""
-    import attention.flash as flash_pkg
+    from attention.flash import dispatch
     from attention import get_attention, graph_replay
 
     flash = get_attention("flash")
@@ -668,7 +567,7 @@ def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatc
         first = [t.requires_grad_() for t in make_qkv(2, 4, n, 64, torch.bfloat16, "bhsd", seed=0)]
         o = flash(*first, causal=True, doc_ids=random_doc_ids(2, n, 1, 100, seed=1))
         torch.autograd.grad(o, first, randn(*o.shape, seed=3, dtype=torch.bfloat16))
-        (_, backward_plans), = flash_pkg._plans.values()
+        (_, backward_plans), = dispatch._plans.values()
         assert [type(p) for p in backward_plans.values()] == [hopper.BackwardPlan]
         inputs = [t.requires_grad_() for t in make_qkv(2, 4, n, 64, torch.bfloat16, "bhsd", seed=10)]
         doc_ids = random_doc_ids(2, n, 1, 100, seed=2)
@@ -691,7 +590,7 @@ def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatc
 def test_plans_keep_no_tensor_of_their_calls_alive():
     """Once a call's outputs are dropped, the memory in use is what it was before the call: the plans it made (first
     call) or ran (second) hold none of its tensors in their descriptors."""
-    import attention.flash as flash_pkg
+    from attention.flash import dispatch
     from attention import get_attention, graph_replay
 
     flash = get_attention("flash")
@@ -710,5 +609,5 @@ def test_plans_keep_no_tensor_of_their_calls_alive():
             while torch.cuda.memory_allocated() != before and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert torch.cuda.memory_allocated() == before, f"call {seed + 1}"
-    (plan, backward_plans), = flash_pkg._plans.values()
+    (plan, backward_plans), = dispatch._plans.values()
     assert isinstance(plan, hopper.ForwardPlan) and len(backward_plans) == 1

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import triton
 
-from attention.flash import hopper, hopper_resources
-from attention.flash.hopper import HopperTiles
-from attention.flash.hopper_resources import KernelResources, dispatch_configs, main, resources, resources_of
+from attention.flash.hopper import inputs as hopper_inputs, resources as hopper_resources
+from attention.flash.hopper.tiles import HopperTiles
+from attention.flash.hopper.resources import KernelResources, dispatch_configs, main, resources, resources_of
 
 H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block of an H100 can take
 
-if hopper._gluon_problem() is not None:
-    pytest.skip(hopper._gluon_problem(), allow_module_level=True)
+if hopper_inputs.gluon_problem() is not None:
+    pytest.skip(hopper_inputs.gluon_problem(), allow_module_level=True)
 
 # Configs the dispatch picks on an H100, each kernel and head dim (the full list: dispatch_configs()).
 CONFIGS = [("fwd", 64, HopperTiles(3, 128, 3)), ("fwd", 128, HopperTiles(2, 128, 3)),

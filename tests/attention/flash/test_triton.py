@@ -1,30 +1,24 @@
-"""`flash` through its Triton kernels (attention/flash/triton.py) against a float64 reference; without a GPU they run
-in the Triton interpreter (conftest.py switches it on). `flash_case` is parametrized by conftest.FLASH_CASES."""
+"""flash's Triton kernels (attention/flash/triton/) against a float64 reference, through the Function eager calls run
+and directly; without a GPU they run in the Triton interpreter (conftest.py switches it on). `flash_case` is
+parametrized by conftest.FLASH_CASES."""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import UnsupportedInputError, get_attention, list_attention, why_not
-from attention.flash import FlashAttentionTriton, Tiles, flash_backward, flash_forward, hopper, use_kernels
-from attention.flash import triton as flash_triton
-import attention.flash as flash_pkg
+from attention.flash import FlashAttention, Tiles, flash_backward, flash_forward, use_kernels
 from attention.flash.common import empty, nan_filled_outputs
+from attention.flash.triton import host as flash_triton
 from tests.attention.conftest import dtype_id, random_doc_ids, randn
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # The interpreter's bf16 arithmetic is wrong, so bf16 is tested on the GPU only.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
-REPO_ROOT = Path(__file__).resolve().parents[3]
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
@@ -36,7 +30,7 @@ def triton_kernels():
 
 
 def run_flash(q, k, v, causal, scale):
-    return FlashAttentionTriton.apply(q, k, v, causal, scale)
+    return FlashAttention.apply(q, k, v, causal, scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -47,18 +41,18 @@ def test_matches_float64_reference(flash_case, dtype, check_flash):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_backward_is_bitwise_deterministic(dtype):
     q, k, v = (randn(1, 2, 100, 48, dtype=dtype, seed=s).requires_grad_() for s in range(3))
-    o = FlashAttentionTriton.apply(q, k, v, True)
+    o = FlashAttention.apply(q, k, v, True)
     do = randn(*o.shape, dtype=dtype, seed=3)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     second = torch.autograd.grad(o, (q, k, v), do)
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between two backward passes"
-    assert torch.equal(o, FlashAttentionTriton.apply(q, k, v, True)), "forward differs between two runs"
+    assert torch.equal(o, FlashAttention.apply(q, k, v, True)), "forward differs between two runs"
 
 
 @pytest.mark.parametrize("causal, n_q, n_k", [(True, 100, 100), (False, 100, 37)], ids=["causal", "q100-k37"])
 def test_every_output_element_is_written(check_every_element_written, causal, n_q, n_k):
-    check_every_element_written(FlashAttentionTriton, causal, n_q, n_k)
+    check_every_element_written(FlashAttention, causal, n_q, n_k)
 
 
 def test_outputs_follow_the_memory_order_of_their_inputs():
@@ -67,14 +61,14 @@ def test_outputs_follow_the_memory_order_of_their_inputs():
     q, k, v = (randn(2, 40, 3, 32, seed=s).transpose(1, 2).requires_grad_() for s in range(3))
     with nan_filled_outputs():
         assert empty((2,), torch.float32, DEVICE).isnan().all(), "outputs must start as NaN"
-        o = FlashAttentionTriton.apply(q, k, v, True)
+        o = FlashAttention.apply(q, k, v, True)
         grads = torch.autograd.grad(o, (q, k, v), randn(*o.shape, seed=3))
     for name, t, like in zip(("o", "dq", "dk", "dv"), (o, *grads), (q, q, k, v)):
         assert t.stride() == like.stride(), f"{name} has strides {t.stride()}, its input {like.stride()}"
         assert not t.isnan().any(), f"{name} has elements the kernels never wrote"
     assert o.transpose(1, 2).is_contiguous()  # so "b h s d -> b s (h d)" is a view
     q5, k5, v5 = (randn(2, 2, 2, 24, 16, seed=s).requires_grad_() for s in range(3))
-    o5 = FlashAttentionTriton.apply(q5, k5, v5, False)
+    o5 = FlashAttention.apply(q5, k5, v5, False)
     assert o5.is_contiguous() and all(g.is_contiguous() for g in torch.autograd.grad(o5.sum(), (q5, k5, v5)))
 
 
@@ -89,7 +83,7 @@ def test_very_negative_scores_with_a_ragged_key_tile(dtype, flash_reference, rel
     q = (-u + randn(1, 2, n_q, d, seed=1)).to(dtype).requires_grad_()
     k = (u + randn(1, 2, n_k, d, seed=2)).to(dtype).requires_grad_()
     v = randn(1, 2, n_k, d, dtype=dtype, seed=3).requires_grad_()
-    o = FlashAttentionTriton.apply(q, k, v, False)
+    o = FlashAttention.apply(q, k, v, False)
     do = randn(*o.shape, dtype=dtype, seed=4)
     got = (o, *torch.autograd.grad(o, (q, k, v), do))
     _, lse, *_ = ref = flash_reference(q, k, v, False, 1 / math.sqrt(d), do)
@@ -103,111 +97,15 @@ def test_very_negative_scores_with_a_ragged_key_tile(dtype, flash_reference, rel
 
 
 def test_saved_tensors_are_linear_in_seq(check_saved_tensors_are_linear_in_seq):
-    check_saved_tensors_are_linear_in_seq(FlashAttentionTriton)
+    check_saved_tensors_are_linear_in_seq(FlashAttention)
 
 
-def test_registry_lists_and_runs_flash():
-    rows = {r.name: r for r in list_attention()}
-    names = list(rows)
-    assert names.index("flash") < names.index("flash-torch")
-    assert rows["flash"].available, rows["flash"].reason
-    q, k, v = (randn(2, 1, 40, 32, seed=s) for s in range(3))
-    out = get_attention("flash")(q, k, v, causal=True)
-    assert torch.equal(out, FlashAttentionTriton.apply(q, k, v, True))
-    assert why_not("flash", q, k, v, True) is None
-
-
-BAD_INPUTS = [
-    # id, q shape, k shape, v shape, dtypes (q, k, v), causal, scale, message
-    ("k-v-shapes", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 9, 16), None, False, None, "k and v must have the same shape"),
-    ("dtypes", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), (torch.float32, torch.float16, torch.float32), False,
-     None, "must share a dtype"),
-    ("head-dim-8", (1, 1, 8, 8), (1, 1, 8, 8), (1, 1, 8, 8), None, False, None,
-     r"head dim 8 is not supported: flash needs 16 <= d_head <= 256"),
-    ("head-dim-320", (1, 1, 8, 320), (1, 1, 8, 320), (1, 1, 8, 320), None, False, None, r"head dim 320 is not supp"),
-    ("float64", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), (torch.float64,) * 3, False, None,
-     r"dtype torch\.float64 is not supported"),
-    ("causal-lengths", (1, 1, 8, 16), (1, 1, 9, 16), (1, 1, 9, 16), None, True, None,
-     "causal attention needs equal query and key lengths"),
-    ("scale-negative", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), None, False, -1.0, "finite positive scale"),
-    ("scale-nan", (1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), None, False, float("nan"), "finite positive scale"),
-]
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Bad input must be refused before any kernel is loaded or launched."""
-
-    def launched(*args, **kwargs):
-        raise AssertionError("a kernel was loaded or launched for bad input")
-
-    for module, name in ((flash_triton, "_kernels"), (flash_triton, "_launch"), (flash_triton, "forward"),
-                         (hopper, "run_forward")):
-        monkeypatch.setattr(module, name, launched)
-
-
-@pytest.mark.parametrize(
-    "q_shape, k_shape, v_shape, dtypes, causal, scale, message",
-    [case[1:] for case in BAD_INPUTS],
-    ids=[case[0] for case in BAD_INPUTS],
-)
-def test_bad_input_is_refused_with_its_reason(no_launch, q_shape, k_shape, v_shape, dtypes, causal, scale, message):
-    dtypes = dtypes or (torch.float32,) * 3
-    q, k, v = (randn(*s, dtype=dt, seed=i) for i, (s, dt) in enumerate(zip((q_shape, k_shape, v_shape), dtypes)))
-    with pytest.raises(UnsupportedInputError, match=message):
-        FlashAttentionTriton.apply(q, k, v, causal, scale)
-    if scale is None:  # the registry path gives the same reason, and why_not reports it without raising
-        with pytest.raises(UnsupportedInputError, match=message):
-            get_attention("flash")(q, k, v, causal=causal)
-        assert why_not("flash", q, k, v, causal) is not None
-
-
-def test_cpu_tensors_without_interpreter_are_refused(no_launch, monkeypatch):
-    monkeypatch.setattr(flash_triton, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the environment check
-    q = torch.randn(1, 1, 8, 16)
-    with pytest.raises(UnsupportedInputError, match="CPU tensors need TRITON_INTERPRET=1"):
-        FlashAttentionTriton.apply(q, q, q, False)
-    assert "CPU tensors need TRITON_INTERPRET=1" in why_not("flash", q, q, q, False)
-
-
-def run_python(code: str, drop_env: tuple[str, ...] = ()) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in drop_env}
-    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def test_import_without_triton_reports_why():
-    out = run_python(
-        "import sys; sys.modules['triton'] = None  # any `import triton` now raises ImportError\n"
-        "import torch\n"
-        "from attention import UnsupportedInputError, list_attention\n"
-        "from attention.flash import FlashAttentionTriton\n"
-        "rows = {r.name: r for r in list_attention()}\n"
-        "assert rows['flash-torch'].available\n"
-        "print('REASON', rows['flash'].available, rows['flash'].reason)\n"
-        "q = torch.randn(1, 1, 8, 16)\n"
-        "try:\n"
-        "    FlashAttentionTriton.apply(q, q, q, True)\n"
-        "except UnsupportedInputError as e:\n"
-        "    print('ERROR', e)\n"
-    )
-    assert "REASON False triton is not installed" in out
-    assert "ERROR attention backend 'flash' cannot run this input: triton is not installed" in out
-
-
-@pytest.mark.skipif(CUDA, reason="checks the message on a machine without a GPU")
-def test_import_without_gpu_or_interpreter_reports_why():
-    out = run_python(
-        "from attention import list_attention\n"
-        "rows = {r.name: r for r in list_attention()}\n"
-        "print('REASON', rows['flash'].available, rows['flash'].reason)\n",
-        drop_env=("TRITON_INTERPRET",),
-    )
-    assert "REASON False needs a CUDA GPU, or TRITON_INTERPRET=1 for CPU tensors" in out
+@pytest.mark.parametrize("dtype, d, expected", [
+    (torch.float32, 64, "tf32x3"), (torch.float32, 128, "tf32x3"), (torch.float32, 256, "ieee"),
+    (torch.float16, 64, "tf32"), (torch.bfloat16, 256, "tf32"),
+])
+def test_fp32_products_are_3xtf32_up_to_d128(dtype, d, expected):
+    assert flash_triton._meta(torch.empty(1, 1, 8, d, dtype=dtype), causal=True)["DOT_PRECISION"] == expected
 
 
 def test_tile_configs_keep_the_causal_band_whole_tiles():
@@ -290,165 +188,6 @@ def test_autotune_pruning_respects_shared_memory_and_seq(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Eager plans: the second call of an input signature launches what the first resolved
-# ----------------------------------------------------------------------------------------------------------
-
-PLAN_CASES = {  # name: q, k, v shapes, a transpose of dims 1 and 2 (the (batch, seq, heads, d) layout), variants
-    "bhsd-causal": ((2, 3, 40, 16), (2, 3, 40, 16), True, {}, False),
-    "bshd-layout": ((2, 40, 3, 16), (2, 40, 3, 16), True, {}, True),
-    "3-dims-ragged": ((3, 33, 32), (3, 57, 32), False, {}, False),
-    "gqa-window-softcap": ((1, 4, 48, 16), (1, 2, 48, 16), True, {"window": 5, "softcap": 3.0}, False),
-}
-
-
-def _plan_inputs(case: str, seed: int) -> list[torch.Tensor]:
-    q_shape, kv_shape, _, _, transposed = PLAN_CASES[case]
-    tensors = [randn(*shape, seed=seed + i) for i, shape in enumerate((q_shape, kv_shape, kv_shape))]
-    return [(t.transpose(1, 2) if transposed else t).requires_grad_() for t in tensors]
-
-
-@pytest.mark.parametrize("case", list(PLAN_CASES))
-def test_a_signature_seen_before_runs_its_plan_with_the_same_results(monkeypatch, case):
-    """The first eager call resolves the launches; the second, on fresh inputs of that signature, runs them without
-    the general path, and gives bitwise what the general path gives."""
-    _, _, causal, variants, _ = PLAN_CASES[case]
-    flash = get_attention("flash")
-    first = _plan_inputs(case, seed=0)
-    o = flash(*first, causal=causal, **variants)
-    torch.autograd.grad(o, first, randn(*o.shape, seed=19))  # the plans are per gradient layout: this one's
-    assert len(flash_pkg._plans) == 1 and len(next(iter(flash_pkg._plans.values()))[1]) == 1
-    inputs = _plan_inputs(case, seed=10)
-    do = randn(*o.shape, seed=20)
-    expected = grads_of_flash(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal, None, *variants.values()),
-                              inputs, do)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the general path ran for a signature that has a plan")
-
-    for module, name in ((flash_triton, "_launch"), (flash_triton, "delta_and_launch"), (flash_pkg, "_check")):
-        monkeypatch.setattr(module, name, refused)
-    planned = grads_of_flash(lambda q, k, v: flash(q, k, v, causal=causal, **variants), inputs, do)
-    assert all(torch.equal(a, b) for a, b in zip(planned, expected))
-    assert planned[0].stride() == expected[0].stride() and planned[1].stride() == inputs[0].stride()
-
-
-def grads_of_flash(fn, inputs, do):
-    o = fn(*inputs)
-    return (o, *torch.autograd.grad(o, inputs, do))
-
-
-def test_each_signature_gets_its_own_plan():
-    flash = get_attention("flash")
-    q, k, v = (randn(1, 2, 32, 16, seed=s) for s in range(3))
-    flash(q, k, v, causal=True)
-    flash(q + 1, k, v, causal=True)  # other values, same signature
-    assert len(flash_pkg._plans) == 1
-    other_signatures = [
-        dict(q=q[..., :24, :], k=k[..., :24, :], v=v[..., :24, :]),  # shape
-        dict(q=q.transpose(-1, -2).contiguous().transpose(-1, -2)),  # strides
-        dict(q=q.half(), k=k.half(), v=v.half()),  # dtype
-        dict(q=q.new_empty(q.numel() + 1)[1:].view_as(q).copy_(q)),  # 4 bytes off a 16-byte boundary
-        dict(causal=False), dict(scale=0.3), dict(window=4), dict(softcap=2.0),
-    ]
-    for n, change in enumerate(other_signatures, start=2):
-        args = {"q": q, "k": k, "v": v, "causal": True, **change}
-        flash(args.pop("q"), args.pop("k"), args.pop("v"), **args)
-        assert len(flash_pkg._plans) == n, change
-    with use_kernels("auto"):  # the kernel setting is part of the signature
-        flash(q, k, v, causal=True)
-    assert len(flash_pkg._plans) == len(other_signatures) + 2
-    flash(q, k, v, causal=True, doc_ids=torch.tensor([0] * 16 + [1] * 16, device=q.device))  # documents
-    flash(q, k, v, causal=True, doc_ids=torch.tensor([0] * 5 + [1] * 27, device=q.device))  # other ones, same plan
-    assert len(flash_pkg._plans) == len(other_signatures) + 3
-    flash(q.reshape(1, 1, 2, 32, 16), k.reshape(1, 1, 2, 32, 16), v.reshape(1, 1, 2, 32, 16), causal=True)  # 5 dims
-    assert len(flash_pkg._plans) == len(other_signatures) + 3
-
-
-@pytest.mark.parametrize("h, h_kv, window", [(2, 2, None), (4, 2, 6)])
-def test_documents_run_through_the_plan_with_each_calls_bounds(monkeypatch, h, h_kv, window):
-    """A signature with documents gets a plan like any other; each call's own documents reach its launches, forward
-    and backward, bitwise as the general path computes them."""
-    flash = get_attention("flash")
-    b, n, d = 2, 40, 16
-
-    def inputs(seed):
-        return [randn(b, heads, n, d, seed=seed + i).requires_grad_() for i, heads in enumerate((h, h_kv, h_kv))]
-
-    first = inputs(0)
-    o = flash(*first, causal=True, window=window, doc_ids=random_doc_ids(b, n, 1, 12, seed=1))
-    torch.autograd.grad(o, first, randn(*o.shape, seed=19))
-    assert len(flash_pkg._plans) == 1
-    q, k, v = inputs(10)
-    doc_ids, do = random_doc_ids(b, n, 1, 12, seed=2), randn(*o.shape, seed=20)
-    expected = grads_of_flash(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True, None, window, None, doc_ids),
-                              (q, k, v), do)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the general path ran for a signature that has a plan")
-
-    for module, name in ((flash_triton, "_launch"), (flash_triton, "delta_and_launch"), (flash_pkg, "_check")):
-        monkeypatch.setattr(module, name, refused)
-    planned = grads_of_flash(lambda q, k, v: flash(q, k, v, causal=True, window=window, doc_ids=doc_ids), (q, k, v),
-                             do)
-    assert all(torch.equal(a, b) for a, b in zip(planned, expected))
-    assert len(flash_pkg._plans) == 1
-
-
-def test_the_documents_bounds_are_computed_once_per_doc_ids_tensor(monkeypatch):
-    """Calls that pass the same doc_ids tensor (a model's layers) compute its bounds once; a changed tensor (in place,
-    or another one) or another sequence length gets its own, and the results stay those of fresh bounds."""
-    import gc
-
-    computed = []
-    real = flash_pkg.bounds_of
-    monkeypatch.setattr(flash_pkg, "bounds_of", lambda q, ids: computed.append(ids.tolist()) or real(q, ids))
-    flash = get_attention("flash")
-    q, k, v = (randn(2, 2, 24, 16, seed=s) for s in range(3))
-    doc_ids = random_doc_ids(2, 24, 1, 8, seed=1)
-
-    def check(ids):
-        want = FlashAttentionTriton.apply(q, k, v, True, None, None, None, ids)
-        assert torch.equal(flash(q, k, v, causal=True, doc_ids=ids), want)
-
-    for _ in range(3):
-        check(doc_ids)
-    assert len(computed) == 1
-    doc_ids[:, :12] = doc_ids[:, 12:13]  # in place: one document over the first half
-    check(doc_ids)
-    check(doc_ids.clone())
-    assert computed[1:] == [doc_ids.tolist()] * 2
-    flash(q[..., :12, :], k[..., :12, :], v[..., :12, :], causal=True, doc_ids=doc_ids[:, :12])
-    check(doc_ids)
-    assert len(computed) == 5 and flash_pkg._last_bounds is not None
-    del doc_ids
-    gc.collect()
-    assert flash_pkg._last_bounds is None  # the bounds go with their doc_ids
-
-
-@requires_cuda
-def test_a_captured_call_recomputes_its_documents_bounds_on_replay():
-    """A CUDA graph captured after eager calls with the same doc_ids tensor computes the bounds inside the graph, so a
-    replay after new ids are copied into that tensor masks with the new documents."""
-    flash = get_attention("flash")
-    q, k, v = (randn(2, 2, 64, 16, seed=s, dtype=torch.float16) for s in range(3))
-    doc_ids = random_doc_ids(2, 64, 1, 20, seed=1)
-    flash(q, k, v, causal=True, doc_ids=doc_ids)  # warm: the bounds of these ids are kept
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        flash(q, k, v, causal=True, doc_ids=doc_ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o = flash(q, k, v, causal=True, doc_ids=doc_ids)
-    new_ids = random_doc_ids(2, 64, 1, 20, seed=2)
-    doc_ids.copy_(new_ids)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o, FlashAttentionTriton.apply(q, k, v, True, None, None, None, new_ids))
-
-
-# ----------------------------------------------------------------------------------------------------------
 # GPU only: long sequences, tensors beyond 2^31 elements, every tile shape of the autotune space.
 # ----------------------------------------------------------------------------------------------------------
 
@@ -463,7 +202,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("d", [64, 128])
 def test_long_causal_matches_sdpa_fp32(d, dtype):
     q, k, v = (randn(1, 8, 4096, d, dtype=dtype, seed=s).requires_grad_() for s in range(3))
-    o = FlashAttentionTriton.apply(q, k, v, True)
+    o = FlashAttention.apply(q, k, v, True)
     do = randn(*o.shape, dtype=dtype, seed=3)
     grads = torch.autograd.grad(o, (q, k, v), do)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))

@@ -105,9 +105,9 @@ def decode_reference_f64(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 @functools.cache
 def _kernels():
-    from attention.flash import decode_kernels  # imports triton.language: only when a kernel runs
+    from attention.flash.decode import kernels  # imports triton.language: only when a kernel runs
 
-    return decode_kernels
+    return kernels
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
@@ -127,8 +127,8 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     partial_lse = torch.empty(rows, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     kernels = _kernels()
-    # On an H100 (batch 1, 32 heads, cache 32k, d 128, bf16) 128-key tiles, 4 warps and 3 stages read the cache at
-    # 91% of the copy bandwidth; 8 warps or 2-4 stages were within 2%. The interpreter takes no launch options.
+    # 128-key tiles, 4 warps and 3 stages read the cache fastest of those tried (docs/flash.md, Decode). The
+    # interpreter takes no launch options.
     options = {} if _interpreting() else {"num_warps": 4, "num_stages": 3}
     # Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the plain scale is not applied.
     log2e = math.log2(math.e)

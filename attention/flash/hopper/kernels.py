@@ -1,4 +1,4 @@
-"""flash's Hopper (sm_90) kernels, written in Gluon: the forward, dK/dV and dQ. The host code is in hopper.py.
+"""flash's Hopper (sm_90) kernels, written in Gluon: the forward, dK/dV and dQ. The host code is in host.py.
 
 Triton 3.6 waits for a score matmul as soon as its result is read, so in flash's Triton kernels the softmax never
 runs beside a matmul. Gluon states the schedule instead of leaving it to
@@ -12,7 +12,7 @@ The forward keeps query rows and streams key and value tiles. For key tile j it 
 the previous tile's O += P_{j-1} V_{j-1}, waits only for S_j, and computes the softmax of S_j while the P V matmul
 runs. O is rescaled after that matmul retires: O then holds the sum up to tile j-1 at tile j's running max.
 
-Scores are in the base-2 domain (qk_scale = scale * log2 e) as in triton_kernels.py; L is the natural-log
+Scores are in the base-2 domain (qk_scale = scale * log2 e) as in triton/kernels.py; L is the natural-log
 logsumexp that the backward reads.
 """
 
@@ -339,11 +339,10 @@ def _work_item(t, t_end, t_step, ORDER, H, N, ROWS: gl.constexpr, CAUSAL: gl.con
     t // blocks, the blocks of a head in the order they launch (see _query_program).
 
     ORDERED (documents): ORDER lists the (batch, block) pairs by the key tiles they stream, most first
-    (attention.flash.triton.work_order), and each pair stands for its H heads in turn. Program p takes the items of
-    ranks p, 2 * programs - 1 - p, 2 * programs + p, ...: a snake through the ranks, so every program gets a long
-    item and a short one in turn. Documents of random lengths give items of 1 to 30 key tiles: dealt in a round
-    robin, they left the busiest program 21-30% above the mean in a model of the schedule, the snake 1% (on the
-    H100, 0.225 -> 0.205 ms at B1 H16 N16384, docs/flash.md)."""
+    (attention.flash.triton.host.work_order), and each pair stands for its H heads in turn. Program p takes the items
+    of ranks p, 2 * programs - 1 - p, 2 * programs + p, ...: a snake through the ranks, so every program gets a long
+    item and a short one in turn, where a round robin leaves some programs far busier than the mean (docs/flash.md,
+    The order of the items with documents)."""
     blocks = gl.cdiv(N, ROWS)
     if ORDERED:
         k = t // t_step
@@ -366,7 +365,7 @@ def _query_program(H, N, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
 
     The sequence is the grid's fastest axis: the programs running at once mostly share one head's keys and values
     in L2. Launching every head's longest programs first instead (the head index fastest) shortens the causal tail
-    on paper, but the forward measured 2-10% slower against cuDNN on the H100.
+    on paper, but the forward ran slower (docs/flash.md, Hopper tiles).
     """
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest rows first, for a better tail
@@ -730,8 +729,8 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
     """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs.
 
     st is tile i's S^T = K Q_i^T, computed during the tile before. With NEXT, tile i+1's S^T is issued before this
-    tile waits for its dK and dV matmuls, so the next tile starts on the exponentials at once: 2-11% faster at the
-    causal shapes on the H100, the same without a mask given four slots. Returns
+    tile waits for its dK and dV matmuls, so the next tile starts on the exponentials at once: faster with a causal
+    mask, the same without one given four slots (docs/flash.md, Hopper tiles). Returns
     dK through tile i-1, dV through tile i, dS^T of tile i and, with NEXT, tile i+1's S^T.
     """
     dtype: gl.constexpr = q_smem.dtype

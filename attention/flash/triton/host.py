@@ -1,6 +1,6 @@
 """flash's FlashAttention-2 kernels in Triton, host side: tile configurations, autotuning, launches.
 
-The kernels are in triton_kernels.py; the design is described in docs/flash.md. `forward` and `backward` run any
+The kernels are in kernels.py; the design is described in docs/flash.md. `forward` and `backward` run any
 input the `flash` backend accepts, on the GPU or in the CPU interpreter (TRITON_INTERPRET=1).
 """
 
@@ -38,10 +38,9 @@ class Tiles:
     num_stages: int
 
 
-# Kept short on purpose: every config is a compile (1-2 s each) the first time a shape is seen. These are
-# the configs that won on the H100 for d_head 64-128 in bf16 (scripts/flash_tile_sweep.py, 11-16 configs per
-# kernel at B1 H16 N16384 d 64, B2 H16 N8192 d 128 and d 64, B1 H16 N4096 d 64); smaller tiles remain in
-# DEFAULT_TILES.
+# Kept short on purpose: every config is a compile the first time a shape is seen. These are the configs that won
+# scripts/flash_tile_sweep.py's sweeps for d_head 64-128 in bf16 (docs/flash.md, Tiles and autotuning); smaller tiles
+# remain in DEFAULT_TILES.
 FWD_SEARCH_SPACE = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 3),
                     Tiles(128, 128, 8, 2), Tiles(128, 32, 4, 4), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4),
                     Tiles(64, 32, 4, 4)]
@@ -137,9 +136,9 @@ def _kernels():
     """The kernel module, imported on first use (TRITON_INTERPRET must be set before this)."""
     global _kernel_module
     if _kernel_module is None:
-        from attention.flash import triton_kernels
+        from attention.flash.triton import kernels
 
-        _kernel_module = triton_kernels
+        _kernel_module = kernels
     return _kernel_module
 
 
@@ -168,9 +167,8 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def _dot_precision(dtype: torch.dtype, block_d: int) -> str:
-    # fp32: 3xTF32, fp32-accurate on tensor cores (docs/flash.md, Precision). 16-bit inputs ignore it.
-    # Head dims above 128 keep "ieee": with tf32x3, fp32 d_head 256 hit an illegal memory access on the H100
-    # (triton 3.6), and at those sizes the FMA path is what was tested correct there.
+    # fp32: 3xTF32, fp32-accurate on tensor cores (docs/flash.md, Precision). 16-bit inputs ignore it. Head dims
+    # above 128 keep "ieee": tf32x3 at fp32 d_head 256 hit an illegal memory access (triton 3.6).
     if dtype != torch.float32:
         return "tf32"
     return "tf32x3" if block_d <= 128 else "ieee"
@@ -227,8 +225,8 @@ def _autotuned(kernel: str):
 
 
 # The config the autotuner chose, per kernel and autotune key. Later calls with that key launch the kernel with it
-# directly: going through the Autotuner again costs 12-20 us more host time per launch (37-46 against 24-25 us in
-# two runs on the H100), and short sequences are bound by host time.
+# directly: going through the Autotuner again costs host time on every launch (docs/flash.md, Tiles and autotuning),
+# and short sequences are bound by host time.
 _tuned: dict[tuple, Tiles] = {}
 
 
@@ -301,7 +299,7 @@ class Launch:
 
 
 # Compiled kernels by launch key. A launch seen before calls the compiled kernel directly, skipping triton's binding
-# and specialisation of every argument and its cache look-up: 13 against 21 us of host time per launch on the H100.
+# and specialisation of every argument and its cache look-up (docs/flash.md, Tiles and autotuning).
 _compiled: dict[tuple, Launch] = {}
 _MAX_COMPILED = 4096  # distinct launches kept (shapes, dtypes, alignments); past it the cache starts again
 
@@ -468,7 +466,7 @@ def work_order(starts: torch.Tensor, ends: torch.Tensor, n: int, rows: int, tile
     """The (sequence, block) pairs of `rows` query rows, (batch * blocks,) int32 as sequence * blocks + block, by the
     key tiles of `tile` rows each streams, most first (ties in index order), for documents bounded by starts and
     ends ((batch, n) int32); and its launch resolved. The Hopper forward's persistent programs take their work items
-    in this order (hopper_kernels._work_item)."""
+    in this order (hopper/kernels.py, _work_item)."""
     items = starts.shape[0] * _cdiv(n, rows)
     order = empty((items,), torch.int32, starts.device)
     launch = _run(_kernels().work_order, (_cdiv(items, WORK_ORDER_BLOCK), 1),
@@ -532,12 +530,13 @@ class BackwardPlan:
 
 
 def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    window: Optional[int] = None, softcap: Optional[float] = None,
-                    bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
+                    window: Optional[int] = None, softcap: Optional[float] = None, bounds: Optional[tuple] = None,
+                    tiles: Optional[Tiles] = None,
+                    traceable: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[ForwardPlan]]:
     """(o, lse) as forward() computes them (bounds: the documents' bounds, ForwardPlan's), and the plan that repeats
     the call for inputs of the same signature; None where there is none yet (the autotuner launched the kernel) or
-    can be none."""
-    o, lse, launch = _forward(q, k, v, causal, scale, None, False, window, softcap, bounds)
+    can be none (traced, more than 4 dims)."""
+    o, lse, launch = _forward(q, k, v, causal, scale, tiles, traceable, window, softcap, bounds)
     if launch is None or not plannable(q, k, v):
         return o, lse, None
     return o, lse, ForwardPlan(launch, tuple(lse.shape))
@@ -545,10 +544,11 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                      do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                     softcap: Optional[float] = None, bounds: Optional[tuple] = None) -> tuple:
-    """(dq, dk, dv, plan): backward(), and the plan that repeats it, as planned_forward. lse: contiguous, as
-    forward() makes it."""
-    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, None, False, window, softcap, bounds)
+                     softcap: Optional[float] = None, bounds: Optional[tuple] = None,
+                     tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False) -> tuple:
+    """(dq, dk, dv, plan): backward(), and the plan that repeats it, as planned_forward. The plan needs lse
+    contiguous, as forward() makes it."""
+    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, bounds)
     if launches is None or not plannable(q, k, v, o, do) or not lse.is_contiguous():
         return dq, dk, dv, None
     return dq, dk, dv, BackwardPlan(launches, tuple(as_bhsd(o).shape[:-1]))

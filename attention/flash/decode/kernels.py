@@ -1,4 +1,4 @@
-"""flash's split-KV decode kernels in Triton (flash-decoding); the host side is attention/flash/decode.py.
+"""flash's split-KV decode kernels in Triton (flash-decoding); the host side is attention/flash/decode/host.py.
 
 One query row (a (sequence, head, new token)) reads its visible keys once. With few rows (batch 1: one per head)
 the grid would be far smaller than the GPU, so the visible length is split into `num_splits` chunks, one program
@@ -42,8 +42,8 @@ def decode_partial_kernel(
     hi = tl.minimum(lo + chunk, visible)
 
     # The query padded to 16 rows (row 0 is real): both products are then tensor-core dots, whose loads Triton
-    # pipelines (num_stages). Elementwise products instead reached 81% of the copy bandwidth against 91% (H100,
-    # batch 1, 32 heads, cache 32k, d 128). IEEE: fp32 inputs are multiplied in fp32, not TF32.
+    # pipelines (num_stages); elementwise products read the cache slower (docs/flash.md, Decode). IEEE: fp32 inputs
+    # are multiplied in fp32, not TF32.
     offs_m = tl.arange(0, 16)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim

@@ -1,16 +1,15 @@
 """Compile flash's Gluon Hopper kernels for sm_90 on any machine, no GPU needed: shared memory, registers, spills.
 
 Spills ruled out several of the Hopper kernels' tile configs (hopper.backward_tiles_for), and ptxas reports them
-without a device: `python -m attention.flash.hopper_resources` compiles the configs the dispatch picks at the
+without a device: `python -m attention.flash.hopper.resources` compiles the configs the dispatch picks at the
 benchmark shapes, or those given as `kind,d,consumers,block_n,stages[,causal[,masks[,persistent]]]`, masks being w
 (a window), d (documents) or wd, persistent 1 for the forward's persistent grid (a `p` after the stages in the table):
 
-    python -m attention.flash.hopper_resources dkdv,128,2,64,4 fwd,64,2,128,3,0 dq,64,3,64,4,1,wd fwd,64,2,64,4,1,d,1
+    python -m attention.flash.hopper.resources dkdv,128,2,64,4 fwd,64,2,128,3,0 dq,64,3,64,4,1,wd fwd,64,2,64,4,1,d,1
 
-The report comes from the installed Triton and its ptxas; triton 3.6 and 3.9 give different spills for the same
-source, so read it for the Triton that will run the kernels. A config without spills is not always faster (dK/dV at
-d 128 with 64-row query tiles spills nothing and ran 1-2% slower than with 32-row ones). Integer arguments are
-compiled as multiples of 16, as Triton specialises them for the shapes the Hopper kernels accept.
+The report comes from the installed Triton and its ptxas, whose releases spill differently for the same source: read
+it for the Triton that will run the kernels. A config without spills is not always faster (docs/flash.md). Integer
+arguments are compiled as multiples of 16, as Triton specialises them for the shapes the Hopper kernels accept.
 """
 
 from __future__ import annotations
@@ -28,10 +27,11 @@ from typing import Optional
 
 import torch
 
-from attention.flash.hopper import HopperTiles, _shared_layout, _stats_layout, backward_tiles_for, tiles_for
+from attention.flash.hopper.host import _shared_layout, _stats_layout
+from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
 
 H100_SMS = 132
-# Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as hopper.py launches them.
+# Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as host.py launches them.
 DESCRIPTOR_ROWS = {
     "fwd": dict(q_desc="m", k_desc="n", v_desc="n", o_desc="m"),
     "dkdv": dict(q_desc="n", k_desc="m", v_desc="m", do_desc="n", dk_desc="m", dv_desc="m", lse_desc="n",
@@ -59,7 +59,7 @@ class KernelResources:
 
 
 def _descriptor_type(rows: int, d: int, row_stats: bool) -> str:
-    """The signature type of a descriptor argument, with the shared-memory layout hopper.py's launches use."""
+    """The signature type of a descriptor argument, with the shared-memory layout host.py's launches use."""
     if row_stats:
         return f"tensordesc<fp32[{rows}],{_stats_layout()!r}>"
     return f"tensordesc<bf16[{rows}, {d}],{_shared_layout(rows, d, torch.bfloat16)!r}>"
@@ -72,8 +72,8 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from attention.flash import hopper_kernels
-    from attention.flash.hopper import _meta
+    from attention.flash.hopper import kernels as hopper_kernels
+    from attention.flash.hopper.host import _meta
 
     if kind not in KERNELS:
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
@@ -135,11 +135,11 @@ def _resources_without_interpreter(configs: list[Config]) -> list[KernelResource
     With TRITON_INTERPRET set, triton.jit makes Triton's own library functions (gl.max's combine function among them)
     interpreter functions, which no GPU compile can use."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     workers = max(1, min(len(configs), os.cpu_count() or 1))
     shares = [configs[i::workers] for i in range(workers)]
-    running = [subprocess.Popen([sys.executable, "-m", "attention.flash.hopper_resources", "--json",
+    running = [subprocess.Popen([sys.executable, "-m", "attention.flash.hopper.resources", "--json",
                                  *(_spec(*config) for config in share)], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for share in shares]
     outputs = [process.communicate() for process in running]  # all finished before any error is raised

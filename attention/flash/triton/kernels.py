@@ -1,6 +1,6 @@
-"""The Triton kernels of `flash` (FlashAttention-2); the host code is in triton.py, the design in docs/flash.md.
+"""The Triton kernels of `flash` (FlashAttention-2); the host code is in host.py, the design in docs/flash.md.
 
-Imported lazily by triton.py on first use: `triton.jit` decides at decoration time whether a kernel
+Imported lazily by host.py on first use: `triton.jit` decides at decoration time whether a kernel
 runs on the GPU or in the CPU interpreter, so TRITON_INTERPRET must be set before this module loads.
 
 Every attention kernel sees one (batch, head) slice per program along grid axis 1 and tiles along axis 0.
@@ -320,7 +320,7 @@ def attn_fwd(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The order of the Hopper forward's work items with documents (hopper_kernels._work_item)
+# The order of the Hopper forward's work items with documents (hopper/kernels.py, _work_item)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -411,7 +411,7 @@ def _dkdv_q_loop(
         do = _load_tile(do_ptrs, rows, N_Q, offs_d, D, BLOCK_D, CHECK_ROWS)
         # Order matters on Hopper: Triton waits for a wgmma at once unless its result only accumulates (dv, dk),
         # so both score matmuls go first and dS is computed while the dV matmul runs
-        # (than S, P, dV, dP, dS, dK: the whole backward 1.4-5.3% faster at each shape's best tiles on the H100).
+        # (faster than S, P, dV, dP, dS, dK at each shape's best tiles: docs/flash.md, Algorithm).
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if SOFTCAP:

@@ -1,0 +1,2 @@
+"""flash's split-KV decode attention (flash-decoding): host.py (the PyTorch version and the launches, registered as
+the decode paths of `flash` and `flash-torch`), kernels.py (the Triton kernels)."""

@@ -1,0 +1,154 @@
+"""Which inputs flash's Hopper kernels take, and why not: forward_problem and backward_problem, which
+attention.flash.dispatch asks. Every other input keeps the Triton kernels."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
+SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
+MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
+# Scores are batch * heads * n^2, halved when causal. Below this, eager calls keep the Triton kernels: their host time
+# per call is the shorter, and it decides (docs/flash.md, Host time of short sequences).
+MIN_SCORES = 2**28
+# Launches replayed from a CUDA graph (attention.graph_replay, or a capture in progress) cost no host time, so the GPU
+# time alone decides: the Hopper backward wins at any size, the forward from these scores (docs/flash.md, CUDA graphs).
+REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
+
+
+@functools.cache
+def gluon_problem() -> Optional[str]:
+    try:
+        from attention.flash.hopper import kernels  # noqa: F401
+    except Exception as e:  # an older triton has no Gluon, or a Gluon API these kernels were not written for
+        return f"triton's Gluon Hopper API is unavailable ({type(e).__name__}: {e})"
+    return None
+
+
+def rows_index(t: torch.Tensor) -> Optional[tuple[int, int, int, tuple[int, int]]]:
+    """(rows per batch, rows per head, columns per head, 2-D shape) of a (batch, heads, seq, d) tensor, or None.
+
+    Row b * rows_b + h * rows_h + position of the 2-D view, from column h * cols_h, holds t[b, h, position]. That
+    covers (batch, heads, seq, d) storage (one row per position of each head) and (batch, seq, heads, d) storage
+    (one row per position, the heads side by side), which is what the model hands over.
+    """
+    b, h, n, d = t.shape
+    sb, sh, sn, sd = t.stride()
+    if sd != 1:
+        return None
+
+    def stride_is(size: int, stride: int, want: int) -> bool:
+        return size == 1 or stride == want  # a size-1 dim's stride is arbitrary
+
+    if stride_is(h, sh, n * d) and stride_is(n, sn, d) and stride_is(b, sb, h * n * d):  # (batch, heads, seq, d)
+        return h * n, n, 0, (b * h * n, d)
+    if stride_is(h, sh, d) and stride_is(n, sn, h * d) and stride_is(b, sb, n * h * d):  # (batch, seq, heads, d)
+        return n, 0, d, (b * n, h * d)
+    return None
+
+
+
+def min_scores(d: int, pass_name: str, replayed: bool) -> int:
+    """The fewest scores for which the Hopper kernels of `pass_name` ("forward" or "backward") run (see MIN_SCORES)."""
+    if not replayed:
+        return MIN_SCORES
+    return REPLAYED_FORWARD_MIN_SCORES.get(d, 0) if pass_name == "forward" else 0
+
+
+def scores(batch_heads: int, n: int, causal: bool, window: Optional[int] = None) -> int:
+    """The attention scores a problem computes: batch * heads * n^2, halved when causal. With a window, those of the
+    key tiles it visits: each row's band widened by a tile (SEQ_MULTIPLE keys), as the masked tiles at its edges cost
+    about as much as whole ones. Documents, unknown on the host, count as whole."""
+    whole = batch_heads * n * n // (2 if causal else 1)
+    if window is None:
+        return whole
+    band = window + SEQ_MULTIPLE if causal else 2 * window + SEQ_MULTIPLE
+    return min(whole, batch_heads * n * band)
+
+
+def device_capability(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(major, minor) of t's GPU, or None for a tensor that is not on one."""
+    return _capability(t.device.index) if t.is_cuda else None
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:  # asked once: 3 us a call, twice per attention call
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def problem(pass_name: str, capability: Optional[tuple[int, int]], dtype: torch.dtype, batch_heads: int, n_q: int,
+            n_k: int, d: int, causal: bool, replayed: bool, window: Optional[int] = None,
+            docs: bool = False) -> Optional[str]:
+    """Why the Hopper kernels of `pass_name` cannot take a problem of this size and dtype on a GPU of `capability`
+    (None: the tensors are not on a GPU), or None when they can; memory layouts and Triton's Gluon aside.
+
+    replayed: the launches will be replayed from a CUDA graph, so host time does not count. window: the call's
+    window. docs: whether it packs documents; their extent is unknown on the host, so the scores are counted as
+    without them.
+    """
+    if capability is None:
+        return "the Hopper kernels need CUDA tensors"
+    if tuple(capability) != CAPABILITY:
+        return f"the Hopper kernels need an sm_90 (Hopper) GPU, this is sm_{capability[0]}{capability[1]}"
+    if dtype not in DTYPES:
+        return f"the Hopper kernels take float16 and bfloat16, not {dtype}"
+    if d not in HEAD_DIMS:
+        return f"the Hopper kernels take head dims {HEAD_DIMS}, not {d}"
+    if n_k != n_q:
+        return f"the Hopper kernels need as many keys as queries, got {n_k} and {n_q}"
+    if n_q % SEQ_MULTIPLE:
+        return f"the Hopper kernels need a sequence that is a multiple of {SEQ_MULTIPLE}, got {n_q}"
+    if batch_heads > MAX_PROGRAM_ROWS:
+        return f"the Hopper kernels run at most {MAX_PROGRAM_ROWS} (batch, head) pairs, got {batch_heads}"
+    if batch_heads * n_q >= 2**31:
+        return "the Hopper kernels' TMA coordinates are 32-bit: batch * heads * seq must be below 2^31"
+    count, fewest = scores(batch_heads, n_q, causal, window), min_scores(d, pass_name, replayed)
+    if count < fewest:
+        why = "the Triton forward takes less GPU time" if replayed else "host time outweighs the faster kernels"
+        return f"{power_of_two(count)} scores are too few for the Hopper kernels: below {power_of_two(fewest)} {why}"
+    return None
+
+
+def power_of_two(n: int) -> str:
+    """n as 2^k when it is one, else as a plain number."""
+    return f"2^{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)
+
+
+def _layout_problem(**tensors: torch.Tensor) -> Optional[str]:
+    for name, t in tensors.items():
+        if rows_index(t) is None:  # the index alone: the launch builds the views, once
+            return f"the Hopper kernels need {name} in (batch, heads, seq, d) or (batch, seq, heads, d) memory"
+    return None
+
+
+def forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, replayed: bool = False,
+                    capability: Optional[tuple[int, int]] = None, window: Optional[int] = None,
+                    docs: bool = False) -> Optional[str]:
+    """Why the Hopper forward cannot run these (batch, heads, seq, d) inputs, or None when it can.
+
+    replayed: the launch will be replayed from a CUDA graph (attention.registry.launches_replayed), so host time
+    does not count. capability: decide for a GPU of this (major, minor) instead of q's device. window, docs: the
+    call's window, and whether it packs documents (see `problem`).
+    """
+    b, h, n, d = q.shape
+    capability = capability or device_capability(q)
+    return (problem("forward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed, window, docs)
+            or _layout_problem(q=q, k=k, v=v) or gluon_problem())
+
+
+def backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+                     replayed: bool = False, capability: Optional[tuple[int, int]] = None,
+                     window: Optional[int] = None, docs: bool = False) -> Optional[str]:
+    """Why the Hopper dK/dV and dQ kernels cannot run these (batch, heads, seq, d) inputs, or None when they can.
+    window, docs: as forward_problem."""
+    b, h, n, d = q.shape
+    capability = capability or device_capability(q)
+    if do.dtype != q.dtype:
+        return f"the Hopper kernels need dO in q's dtype, got dO {do.dtype} and q {q.dtype}"
+    return (problem("backward", capability, q.dtype, b * h, n, k.shape[-2], d, causal, replayed, window, docs)
+            or _layout_problem(q=q, k=k, v=v, dO=do) or gluon_problem())

@@ -1,0 +1,70 @@
+"""Which inputs the Hopper kernels take (attention/flash/hopper/inputs.py), and the reason for those they do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.flash.hopper import inputs as hopper_inputs
+
+CUDA = torch.cuda.is_available()
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0) and hopper_inputs.gluon_problem() is None
+requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and triton's Gluon")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def randn(*shape, seed=0, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def test_forward_problem_names_the_reason():
+    q = randn(1, 2, 128, 64, device="cpu")
+    assert hopper_inputs.forward_problem(q, q, q, True) == "the Hopper kernels need CUDA tensors"
+    assert hopper_inputs.backward_problem(q, q, q, q, True) == "the Hopper kernels need CUDA tensors"
+    assert "got dO torch.float16 and q torch.float32" in hopper_inputs.backward_problem(q, q, q, q.half(), True)
+
+
+@requires_hopper
+@pytest.mark.parametrize("q_shape, k_len, dtype, message", [
+    ((1, 2, 128, 80), 128, torch.bfloat16, "head dims"),
+    ((1, 2, 128, 64), 128, torch.float32, "float16 and bfloat16"),
+    ((1, 2, 200, 64), 200, torch.bfloat16, "multiple of 128"),
+    ((1, 2, 128, 64), 256, torch.bfloat16, "as many keys as queries"),
+], ids=["d80", "fp32", "n200", "n_k"])
+def test_forward_problem_on_the_gpu(monkeypatch, q_shape, k_len, dtype, message):
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
+    b, h, n, d = q_shape
+    q = randn(b, h, n, d, dtype=dtype)
+    k = randn(b, h, k_len, d, dtype=dtype)
+    assert message in hopper_inputs.forward_problem(q, k, k, False)
+    assert message in hopper_inputs.backward_problem(q, k, k, q, False)
+    ok = randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    assert hopper_inputs.forward_problem(ok, ok, ok, True) is None
+    assert hopper_inputs.backward_problem(ok, ok, ok, ok, True) is None
+    assert "need dO in (batch, heads, seq, d)" in hopper_inputs.backward_problem(ok, ok, ok, ok.transpose(-2, -1), True)
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 2**16 + 1)  # 2 * 256^2 / 2 = 2^16 causal scores
+    assert "too few" in hopper_inputs.forward_problem(ok, ok, ok, True)
+    assert hopper_inputs.forward_problem(ok, ok, ok, False) is None
+    # Replayed from a CUDA graph, host time does not count: the backward takes any size, the d-64 forward from
+    # REPLAYED_FORWARD_MIN_SCORES.
+    assert hopper_inputs.backward_problem(ok, ok, ok, ok, True, replayed=True) is None
+    assert "less GPU time" in hopper_inputs.forward_problem(ok, ok, ok, True, replayed=True)
+
+
+def test_min_scores_depend_on_pass_head_dim_and_replay(monkeypatch):
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 2**28)
+    monkeypatch.setattr(hopper_inputs, "REPLAYED_FORWARD_MIN_SCORES", {64: 2**27, 128: 0})
+    for d in (64, 128):
+        for pass_name in ("forward", "backward"):
+            assert hopper_inputs.min_scores(d, pass_name, replayed=False) == 2**28
+        assert hopper_inputs.min_scores(d, "backward", replayed=True) == 0
+    assert hopper_inputs.min_scores(64, "forward", replayed=True) == 2**27
+    assert hopper_inputs.min_scores(128, "forward", replayed=True) == 0
+
+
+def test_a_window_counts_the_scores_of_the_tiles_it_visits():
+    assert hopper_inputs.scores(2, 1024, True) == 2 * 1024 * 1024 // 2
+    assert hopper_inputs.scores(2, 1024, True, window=100) == 2 * 1024 * (100 + 128)  # its band and a tile
+    assert hopper_inputs.scores(2, 1024, False, window=100) == 2 * 1024 * (200 + 128)
+    no_window = hopper_inputs.scores(2, 1024, True)
+    assert hopper_inputs.scores(2, 1024, True, window=4096) == no_window  # no more than without
