@@ -1,4 +1,4 @@
-"""Resolved training configurations (training.config.resolve) of a tiny model on the CPU, for tests that build a step."""
+"""Resolved training configurations (training.config.resolve) of a tiny model on the CPU, for tests building a step."""
 
 from __future__ import annotations
 
