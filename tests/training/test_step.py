@@ -126,3 +126,35 @@ def test_activation_checkpointing_recomputes_every_block_of_the_step():
         (loss, norm), (want_loss, want_norm) = step(x, y), plain(x, y)
         torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_documents_reach_the_model_and_are_split_with_the_micro_batches():
+    """doc_ids (training/data/sampling.py's packed rows): one document per row is the plain causal step; documents cut
+    inside the rows change the loss; accumulated micro-batches each take their rows' ids."""
+    x, y = batches(1)[0]
+    one_document = torch.zeros_like(x)
+    cuts = torch.zeros_like(x, dtype=torch.bool)
+    cuts[:, 8::8] = True
+    documents = cuts.long().cumsum(-1)
+    losses = {}
+    for accum, ids in ((1, None), (1, one_document), (1, documents), (2, documents)):
+        config = resolved(execution={"grad_accum_steps": accum})
+        torch.manual_seed(0)
+        step = build_step(TransformerLM(config.model), config)
+        losses[accum, None if ids is None else int(ids.max())] = step(x, y, ids)
+    torch.testing.assert_close(losses[1, 0], losses[1, None], rtol=1e-5, atol=1e-6)
+    assert abs(losses[1, 3][0].item() - losses[1, None][0].item()) > 1e-3
+    torch.testing.assert_close(losses[2, 3], losses[1, 3], rtol=1e-5, atol=1e-6)
+
+
+def test_a_loaded_learning_rate_gets_the_steps_kind_back():
+    """A checkpoint written under a CUDA graph holds tensor learning rates; a step without one takes floats."""
+    config = resolved()
+    step = build_step(TransformerLM(config.model), config)
+    for group in step.optimizer.param_groups:
+        group["lr"] = torch.tensor(3e-4)
+    step.match_lr_kind()
+    assert all(type(group["lr"]) is float and group["lr"] == pytest.approx(3e-4)
+               for group in step.optimizer.param_groups)
+    step.set_lr(1e-4)
+    assert all(group["lr"] == 1e-4 for group in step.optimizer.param_groups)
