@@ -5,7 +5,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from model import ModelConfig, TransformerLM
-from training.activation_checkpointing import checkpoint_blocks
+from training.parallel.activation_checkpointing import checkpoint_blocks
 from training.compilation import compile_regions
 
 CFG = ModelConfig(d_model=32, n_layers=3, n_heads=2, d_ff=64, vocab_size=97, context_length=16)

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from model import ModelConfig, TransformerLM
+from tests.training.resolved import resolved
 from training.cuda_graph import GraphedStep
+from training.step import build_step
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256, context_length=32, attn="sdpa")
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256, context_length=32)
 
 
 def _setup(device: str, capturable: bool):
     torch.manual_seed(0)
-    model = TransformerLM(CFG).to(device)
+    model = TransformerLM(CFG, "sdpa").to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=device), fused=device == "cuda",
                             capturable=capturable)
 
@@ -98,7 +98,7 @@ def test_optimizer_without_capturable_is_refused():
 
 
 def test_cpu_tensors_are_refused():
-    model = TransformerLM(CFG)
+    model = TransformerLM(CFG, "sdpa")
     opt = torch.optim.AdamW(model.parameters(), capturable=True)
     graphed = GraphedStep(lambda x, y: (model(x, y),), opt)
     (x, y), = _batches(1, "cpu")
@@ -141,11 +141,10 @@ def _doc_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def test_packed_documents_replay_like_the_plain_steps(attn):
     """The document masks come from each batch's doc_ids, copied into the graph's static input: replayed steps train
     as the plain steps do, batch after batch of other documents."""
-    cfg = dataclasses.replace(CFG, attn=attn)
     losses = []
     for capturable in (False, True):
         torch.manual_seed(0)
-        model = TransformerLM(cfg).cuda()
+        model = TransformerLM(CFG, attn).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=capturable)
 
         def step(ids, targets, doc_ids):
@@ -161,3 +160,30 @@ def test_packed_documents_replay_like_the_plain_steps(attn):
             row.append(run(x, y, doc_ids)[0].item())
         losses.append(row)
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=2e-3, atol=2e-3)
+
+
+@requires_cuda
+@pytest.mark.parametrize("grad_clip", [0.0, 0.5], ids=["stepped-in-backward", "clipped"])
+def test_the_built_step_replays_like_the_eager_step_with_its_learning_rate_set_each_step(grad_clip):
+    """build_step with --cuda-graph: the optimizer's learning rate is a device tensor that set_lr fills in place, so
+    the replays follow the schedule; losses, norms and weights as the eager step's."""
+    results = []
+    for graph in (False, True):
+        config = resolved(CFG, execution={"device": "cuda", "dtype": "fp32", "compile": False, "cuda_graph": graph},
+                          optim={"grad_clip": grad_clip})
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = TransformerLM(config.model, config.execution.attn)
+        step = build_step(model, config)
+        assert (step.graphed is not None) == graph
+        row = []
+        for i, (x, y) in enumerate(_batches(6, "cuda")):
+            step.set_lr(1e-3 / (i + 1))
+            loss, norm = step(x, y)
+            row.append([loss.item(), norm.item()])
+        assert not graph or step.graphed.captured
+        results.append((row, [p.detach().clone() for p in model.parameters()]))
+    (eager, eager_params), (replayed, replayed_params) = results
+    torch.testing.assert_close(torch.tensor(replayed), torch.tensor(eager), rtol=1e-4, atol=1e-5)
+    for p, q in zip(replayed_params, eager_params):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

@@ -10,16 +10,19 @@ import bench_model  # noqa: E402
 import train  # noqa: E402
 from model import ModelConfig, TransformerLM  # noqa: E402
 from training import fp8  # noqa: E402
+from tests.training.resolved import resolved  # noqa: E402
+from training.config import ConfigError, resolve  # noqa: E402
 from training.precision import autocast  # noqa: E402
-from training.step import StepConfig, build_step  # noqa: E402
+from training.step import build_step  # noqa: E402
 
 CPU = torch.device("cpu")
-CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=97, context_length=32, attn="naive")
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=97, context_length=32)
+ATTN = "naive"
 
 
 def model(cfg: ModelConfig = CFG) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(cfg)
+    return TransformerLM(cfg, ATTN)
 
 
 def test_the_blocks_linears_become_float8_sharing_their_weights():
@@ -61,7 +64,8 @@ def test_loss_and_gradients_stay_close_to_bf16(recipe):
 
 def test_build_step_converts_before_the_optimizer_and_trains():
     m = model()
-    step = build_step(m, StepConfig(precision="bf16", fp8="tensorwise"))
+    config = resolved(CFG, execution={"attn": ATTN, "dtype": "bf16", "fp8": "tensorwise"}, data={"batch_size": 8})
+    step = build_step(m, config)
     assert type(m.blocks[1].ffn.w2).__name__ == "Float8Linear"
     ids = torch.randint(0, 97, (8, 33), generator=torch.Generator().manual_seed(2))
     losses = [step(ids[:, :-1], ids[:, 1:])[0].item() for _ in range(15)]
@@ -80,18 +84,25 @@ def test_what_cannot_run_is_named(recipe, precision, parallel, d_model, message)
 
 
 def test_train_py_refuses_fp8_without_bf16(capsys):
-    parser = train.build_parser()
-    with pytest.raises(SystemExit):
-        train.check_args(parser, parser.parse_args(["--device", "cpu", "--fp8", "rowwise"]))
+    with pytest.raises(SystemExit) as exit:
+        train.parse(["--device", "cpu", "--fp8", "rowwise"])
+    assert exit.value.code == 2
     assert "add --dtype bf16 (got fp32)" in capsys.readouterr().err
-    args = parser.parse_args(["--device", "cpu", "--fp8", "rowwise", "--dtype", "bf16"])
-    train.check_args(parser, args)
-    assert train.step_config(args).fp8 == "rowwise"
+    assert train.parse(["--device", "cpu", "--fp8", "rowwise", "--dtype", "bf16"]).config.execution.fp8 == "rowwise"
+
+
+def test_resolve_refuses_what_fp8_cannot_run_with_the_reason():
+    base = resolved(CFG, execution={"dtype": "bf16", "fp8": "rowwise"})
+    assert base.execution.fp8 == "rowwise"
+    with pytest.raises(ConfigError, match=r"--fp8 with --parallel fsdp is not supported"):
+        resolve(base.replace(execution={"parallel": "fsdp"}), world_size=2)
+    with pytest.raises(ConfigError, match=r"multiple of 16 \(float8 matmuls\), got 200"):
+        resolve(base.replace(model={"d_model": 200, "n_heads": 4}))
 
 
 def test_bench_model_sweeps_fp8_recipes(tmp_path):
     rows = bench_model.main(["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--vocab-size",
                              "97", "--context-lengths", "32", "--batch-size", "2", "--warmup", "1", "--steps", "1",
                              "--dtype", "bf16", "--fp8", "off,tensorwise", "--mode", "train-step", "--device", "cpu",
-                             "--no-progress", "--out", str(tmp_path)])
+                             "--out", str(tmp_path)])
     assert [(r["fp8"], r["status"]) for r in rows] == [("off", "ok"), ("tensorwise", "ok")]

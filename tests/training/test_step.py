@@ -6,7 +6,11 @@ import torch
 import bench_model
 import train
 from model import TransformerLM
-from training.step import OptimizerConfig, StepConfig, build_step
+from tests.training.resolved import resolved
+from training.config import OptimConfig
+from training.optim.overlapped import OverlappedOptimizer
+from training.optim.registry import BETAS
+from training.step import build_step
 
 DIMS = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--vocab-size", "256",
         "--batch-size", "4", "--device", "cpu", "--attn", "sdpa"]
@@ -17,32 +21,31 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randint(256, (4, 32), generator=g), torch.randint(256, (4, 32), generator=g)) for _ in range(n)]
 
 
-def train_py_step(overlap: bool, state: str = "fp32"):
-    """The step train.py builds from its flags (its default AdamW; no clipping, as bench_model times it)."""
-    parser = train.build_parser()
-    args = parser.parse_args([*DIMS, "--context-length", "32", "--grad-clip", "0", "--optim-state-dtype", state,
-                              *(["--overlap-optimizer"] if overlap else [])])
-    train.check_args(parser, args)
-    cfg = train.model_config(args, args.vocab_size)
+def train_py_step(*flags: str):
+    """The step train.py's Trainer builds from its flags (the model's vocabulary set from --vocab-size, as the Trainer
+    sets it from the data)."""
+    config = train.parse([*DIMS, "--context-length", "32", *flags]).config
+    config = config.replace(model={"vocab_size": config.data.vocab_size})
     torch.manual_seed(0)
-    return build_step(TransformerLM(cfg), train.step_config(args)), cfg
+    return build_step(TransformerLM(config.model, config.execution.attn), config), config
 
 
-def bench_model_runner(overlap: bool, state: str = "fp32"):
+def bench_model_runner(optimizer: str):
     """The runner bench_model.py builds for the same model and a train-step."""
-    args = bench_model.parse_args([*DIMS, "--context-lengths", "32", "--mode", "train-step",
-                                   "--overlap-optimizer", "on" if overlap else "off", "--optim-state-dtype", state])
-    (point,) = bench_model.sweep_points(args)
+    args = bench_model.parse_args([*DIMS, "--context-lengths", "32", "--mode", "train-step", "--optimizer", optimizer])
+    (point,) = args.points
     torch.manual_seed(0)
-    return bench_model.build_runner(point, args.device), point.cfg
+    return bench_model.build_runner(point, args.device), point.config
 
 
-@pytest.mark.parametrize("state", ["fp32", "bf16"], ids=["fp32-state", "bf16-state"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["adamw", "overlap-optimizer"])
-def test_train_and_bench_model_steps_give_the_same_losses_and_weights(overlap, state):
-    step, train_cfg = train_py_step(overlap, state)
-    runner, bench_cfg = bench_model_runner(overlap, state)
-    assert train_cfg == bench_cfg
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-bf16"])
+def test_train_and_bench_model_steps_give_the_same_losses_and_weights(optimizer):
+    # No clipping (bench_model times the step without it): the optimizer steps during the backward in both.
+    step, train_config = train_py_step("--grad-clip", "0", "--optimizer", optimizer)
+    runner, bench_config = bench_model_runner(optimizer)
+    for section in ("model", "execution", "optim"):
+        assert getattr(train_config, section) == getattr(bench_config, section), section
+    assert isinstance(step.optimizer, OverlappedOptimizer) and isinstance(runner.train.optimizer, OverlappedOptimizer)
     for ids, targets in batches(3):
         before = runner.train.loss(ids, targets).detach()
         loss, grad_norm = step(ids, targets)
@@ -54,48 +57,54 @@ def test_train_and_bench_model_steps_give_the_same_losses_and_weights(overlap, s
     assert trained.keys() == benched.keys()
     for name, p in trained.items():
         assert torch.equal(p, benched[name]), name
-    moved = [not torch.equal(p, q)
-             for p, q in zip(trained.values(), train_py_step(overlap, state)[0].model.parameters())]
+    fresh = train_py_step("--grad-clip", "0", "--optimizer", optimizer)[0].model.parameters()
+    moved = [not torch.equal(p, q) for p, q in zip(trained.values(), fresh)]
     assert all(moved)  # the steps did update every parameter
 
 
 def test_the_optimizer_decays_matrices_only_with_the_shared_defaults():
-    step, _ = train_py_step(overlap=False)
-    hp = OptimizerConfig()
+    step, _ = train_py_step()
+    hp = OptimConfig()
     decayed, plain = step.optimizer.param_groups
     assert all(p.dim() >= 2 for p in decayed["params"]) and decayed["weight_decay"] == hp.weight_decay
     assert all(p.dim() < 2 for p in plain["params"]) and plain["weight_decay"] == 0.0
-    assert decayed["lr"] == hp.lr and decayed["betas"] == hp.betas
+    assert decayed["lr"] == hp.lr and decayed["betas"] == BETAS
 
 
 def test_the_step_reports_the_norm_before_clipping_and_clears_the_gradients():
-    torch.manual_seed(0)
-    cfg = train.model_config(train.build_parser().parse_args([*DIMS, "--context-length", "32"]), 256)
     (ids, targets), = batches(1)
     norms = {}
     for clip in (0.0, 1e-3):
+        config = resolved(optim={"grad_clip": clip})
         torch.manual_seed(0)
-        step = build_step(TransformerLM(cfg), StepConfig(optimizer=OptimizerConfig(grad_clip=clip)))
+        step = build_step(TransformerLM(config.model), config)
+        # Without clipping the optimizer steps during the backward; the norm is still that of the gradients.
+        assert isinstance(step.optimizer, OverlappedOptimizer) == (clip == 0)
         _, norms[clip] = step(ids, targets)
         assert all(p.grad is None for p in step.model.parameters())  # cleared after the step
     torch.testing.assert_close(norms[0.0], norms[1e-3])
     assert norms[0.0] > 1e-3
 
 
+def test_without_the_norm_asked_for_an_unclipped_step_computes_none():
+    config = resolved(optim={"grad_clip": 0.0})
+    step = build_step(TransformerLM(config.model), config, grad_norm=False)
+    loss, norm = step(*batches(1)[0])
+    assert norm is None and torch.isfinite(loss)
+    clipped = resolved(optim={"grad_clip": 1.0})
+    _, norm = build_step(TransformerLM(clipped.model), clipped, grad_norm=False)(*batches(1)[0])
+    assert norm is not None and norm > 0  # clipping needs it anyway
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_accumulated_micro_batches_give_the_step_of_the_whole_batch(n):
     """--grad-accum-steps: the same losses, gradient norms and weights as one pass over the batch (fp32, clipped)."""
-    parser = train.build_parser()
     results = []
     for accum in (1, n):
-        args = parser.parse_args([*DIMS, "--context-length", "32", "--grad-clip", "0.3", "--grad-accum-steps",
-                                  str(accum)])
-        train.check_args(parser, args)
-        torch.manual_seed(0)
-        model = TransformerLM(train.model_config(args, args.vocab_size))
-        step = build_step(model, train.step_config(args))
+        step, config = train_py_step("--grad-clip", "0.3", "--grad-accum-steps", str(accum))
+        assert config.execution.grad_accum_steps == accum
         out = [tuple(t.item() for t in step(x, y)) for x, y in batches(3)]
-        results.append((out, {k: v.clone() for k, v in model.state_dict().items()}))
+        results.append((out, {k: v.clone() for k, v in step.model.state_dict().items()}))
     (plain, plain_weights), (accumulated, weights) = results
     torch.testing.assert_close(accumulated, plain, rtol=1e-5, atol=1e-6)
     assert plain[0][1] > 0.3  # clipping acts, so it needs the norm of the summed gradients
@@ -105,9 +114,47 @@ def test_accumulated_micro_batches_give_the_step_of_the_whole_batch(n):
         torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=5e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_micro_batches_must_divide_the_batch():
-    step = build_step(TransformerLM(train.model_config(train.build_parser().parse_args(DIMS), 256)),
-                      StepConfig(grad_accum_steps=3))
+def test_activation_checkpointing_recomputes_every_block_of_the_step():
+    config = resolved(execution={"activation_checkpointing": True})
+    step = build_step(TransformerLM(config.model), config)
+    assert all(getattr(block, "_recomputed_in_backward", False) for block in step.model.blocks)
+    plain_config = resolved()
+    torch.manual_seed(0)
+    plain = build_step(TransformerLM(plain_config.model), plain_config)
+    step.model.load_state_dict(plain.model.state_dict())
+    for x, y in batches(2):
+        (loss, norm), (want_loss, want_norm) = step(x, y), plain(x, y)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_documents_reach_the_model_and_are_split_with_the_micro_batches():
+    """doc_ids (training/data/sampling.py's packed rows): one document per row is the plain causal step; documents cut
+    inside the rows change the loss; accumulated micro-batches each take their rows' ids."""
     x, y = batches(1)[0]
-    with pytest.raises(ValueError, match="grad_accum_steps 3 must divide the batch of 4 sequences"):
-        step(x, y)
+    one_document = torch.zeros_like(x)
+    cuts = torch.zeros_like(x, dtype=torch.bool)
+    cuts[:, 8::8] = True
+    documents = cuts.long().cumsum(-1)
+    losses = {}
+    for accum, ids in ((1, None), (1, one_document), (1, documents), (2, documents)):
+        config = resolved(execution={"grad_accum_steps": accum})
+        torch.manual_seed(0)
+        step = build_step(TransformerLM(config.model), config)
+        losses[accum, None if ids is None else int(ids.max())] = step(x, y, ids)
+    torch.testing.assert_close(losses[1, 0], losses[1, None], rtol=1e-5, atol=1e-6)
+    assert abs(losses[1, 3][0].item() - losses[1, None][0].item()) > 1e-3
+    torch.testing.assert_close(losses[2, 3], losses[1, 3], rtol=1e-5, atol=1e-6)
+
+
+def test_a_loaded_learning_rate_gets_the_steps_kind_back():
+    """A checkpoint written under a CUDA graph holds tensor learning rates; a step without one takes floats."""
+    config = resolved()
+    step = build_step(TransformerLM(config.model), config)
+    for group in step.optimizer.param_groups:
+        group["lr"] = torch.tensor(3e-4)
+    step.match_lr_kind()
+    assert all(type(group["lr"]) is float and group["lr"] == pytest.approx(3e-4)
+               for group in step.optimizer.param_groups)
+    step.set_lr(1e-4)
+    assert all(group["lr"] == 1e-4 for group in step.optimizer.param_groups)

@@ -7,11 +7,13 @@ import torch.distributed as dist
 
 from model import ModelConfig, TransformerLM
 from tests.ranks import single_rank_group, start_ranks
-from training import distributed
-from training.distributed import DistContext, DistributedError
+from training.parallel import distributed
+from training.parallel.distributed import DistContext, DistributedError
+from training.parallel.wrap import wrap_model
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16, attn="naive")
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16)
+ATTN = "naive"
 
 
 def test_launch_env_reads_torchrun_variables_or_names_the_launcher():
@@ -48,13 +50,15 @@ def test_backend_follows_the_device_and_missing_pieces_are_named(monkeypatch):
         distributed.check_backend(torch.device("meta"))
 
 
-def test_init_refuses_a_batch_the_ranks_cannot_share(monkeypatch):
-    for name, value in {**TORCHRUN, "WORLD_SIZE": "3"}.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(DistributedError, match=r"--batch-size 8 \(the global batch\) is not divisible by the world "
-                                               r"size 3; pass a multiple of 3"):
-        distributed.init("ddp", "cpu", global_batch=8, timeout_s=5)
+def test_init_without_torchrun_names_the_launcher_and_joins_no_group(monkeypatch):
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(DistributedError, match=r"launch with `torchrun --nproc-per-node N bench_model.py --parallel "
+                                               r"ddp"):
+        distributed.init("ddp", "cpu", timeout_s=5, script="bench_model.py")
     assert not dist.is_initialized()
+    alone = distributed.init("none", "cpu", timeout_s=5)
+    assert alone == DistContext(device=torch.device("cpu")) and not alone.is_distributed and alone.is_main
 
 
 @pytest.mark.parametrize("dtype, compute", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
@@ -63,8 +67,8 @@ def test_fsdp_keeps_fp32_master_weights_computes_in_the_run_dtype_and_reduces_in
 
     with single_rank_group("fsdp") as ctx:
         torch.manual_seed(0)
-        model = TransformerLM(TINY)
-        wrapped = distributed.wrap_model(model, ctx, dtype)
+        model = TransformerLM(TINY, ATTN)
+        wrapped = wrap_model(model, ctx, dtype)
         seen = {}
 
         def record(name):
@@ -85,13 +89,15 @@ def test_fsdp_keeps_fp32_master_weights_computes_in_the_run_dtype_and_reduces_in
         assert group.mp_policy.reduce_dtype in ((torch.float32,) if dtype == torch.bfloat16 else (None,))
 
 
-def test_fsdp_refuses_fp16():
-    with pytest.raises(DistributedError, match="use --dtype bf16"):
-        distributed.wrap_model(TransformerLM(TINY), DistContext("fsdp"), torch.float16)
+def test_one_process_trains_the_model_itself():
+    model = TransformerLM(TINY, ATTN)
+    assert wrap_model(model, DistContext(), torch.float32) is model
+    with pytest.raises(ValueError, match="unknown parallel mode 'tp'"):
+        wrap_model(model, DistContext("tp"), torch.float32)
 
 
 def _collectives(rank: int, marker: str) -> int:
-    ctx = distributed.init("ddp", "cpu", global_batch=2, timeout_s=20)
+    ctx = distributed.init("ddp", "cpu", timeout_s=20)
     try:
         assert distributed.mean_over_ranks(torch.tensor(rank + 1.0), ctx) == 1.5
         assert distributed.max_over_ranks({"a": float(rank), "b": -float(rank)}, ctx) == {"a": 1.0, "b": 0.0}

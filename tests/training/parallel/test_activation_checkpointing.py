@@ -2,9 +2,10 @@ import pytest
 import torch
 
 from model import ModelConfig, TransformerLM
-from training.activation_checkpointing import checkpoint_blocks
+from training.parallel.activation_checkpointing import checkpoint_blocks
 
-CFG = ModelConfig(d_model=32, n_layers=3, n_heads=2, d_ff=64, vocab_size=97, context_length=16, attn="naive")
+CFG = ModelConfig(d_model=32, n_layers=3, n_heads=2, d_ff=64, vocab_size=97, context_length=16)
+ATTN = "naive"
 
 
 def saved_bytes_and_grads(model: TransformerLM, ids: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
@@ -25,8 +26,8 @@ def saved_bytes_and_grads(model: TransformerLM, ids: torch.Tensor) -> tuple[int,
 @pytest.mark.parametrize("batch, seq", [(2, 16), (3, 8)])
 def test_recomputation_gives_the_same_gradients_with_less_saved(batch, seq):
     torch.manual_seed(0)
-    plain = TransformerLM(CFG).double()
-    recomputed = TransformerLM(CFG).double()
+    plain = TransformerLM(CFG, ATTN).double()
+    recomputed = TransformerLM(CFG, ATTN).double()
     recomputed.load_state_dict(plain.state_dict())
     checkpoint_blocks(recomputed)
     checkpoint_blocks(recomputed)  # a second call changes nothing

@@ -1,4 +1,5 @@
-"""training.adamw.AdamW: torch's AdamW update with bf16 moments, weight copies and a folded gradient scale."""
+"""training/optim/adamw_bf16.py (`--optimizer adamw-bf16`): torch's AdamW update with bf16 moments, weight copies
+and the clipping coefficient folded into the update."""
 
 import copy
 import os
@@ -8,9 +9,10 @@ import torch
 
 from model import TransformerLM, config_for
 from model.layers import Linear
-from training import adamw
-from training.adamw import AdamW
-from training.step import OptimizerConfig, StepConfig, build_step
+from tests.training.resolved import resolved
+from training.optim import adamw_bf16, get_optimizer
+from training.optim.adamw_bf16 import AdamW
+from training.step import build_step
 
 CUDA = torch.cuda.is_available()
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -70,11 +72,11 @@ def test_bf16_state_is_the_float64_update_with_moments_rounded_to_bf16():
                 torch.testing.assert_close(got.double(), exact, rtol=2 ** -8 + 1e-6, atol=1e-30)
 
 
-def test_a_gradient_scale_is_the_step_of_scaled_gradients():
+def test_a_clipping_coefficient_is_the_step_of_scaled_gradients():
     params, grads = params_and_grads(3)
     scaled, plain = clone(params), clone(params)
     scale = torch.tensor(0.37)
-    run(AdamW(scaled, lr=1e-2), scaled, grads, grad_scale=scale)
+    run(AdamW(scaled, lr=1e-2), scaled, grads, clip_coef=scale)
     run(AdamW(plain, lr=1e-2), plain, [[g * scale for g in step] for step in grads])
     for p, q in zip(scaled, plain):
         assert torch.equal(p, q)
@@ -178,20 +180,27 @@ def test_refuses_a_parameter_it_cannot_view_flat():
         AdamW([w])
 
 
-def tiny_step(config: StepConfig, device: str = "cpu"):
-    torch.manual_seed(0)
+def tiny_step(dtype: str, optimizer: str, grad_clip: float = 1.0, device: str = "cpu"):
     cfg = config_for("tiny", d_model=64, n_layers=2, n_heads=2, d_ff=128, vocab_size=256, context_length=32)
+    config = resolved(cfg, execution={"dtype": dtype, "device": device},
+                      optim={"optimizer": optimizer, "grad_clip": grad_clip})
+    torch.manual_seed(0)
     with torch.device(device):
         model = TransformerLM(cfg)
     return build_step(model, config)
 
 
+def test_it_is_registered_as_an_optimizer_of_whole_parameters_that_rewrites_the_weight_copies():
+    spec = get_optimizer("adamw-bf16")
+    assert spec.build is adamw_bf16.build
+    assert spec.steps_in_backward and spec.keeps_weight_copies and not spec.shards
+
+
 def test_the_bf16_state_step_keeps_a_copy_of_every_linear_weight_and_clips_inside_its_update():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(256, (4, 32), generator=g), torch.randint(256, (4, 32), generator=g)
-    steps = {state: tiny_step(StepConfig(precision="bf16", optim_state_dtype=state,
-                                         optimizer=OptimizerConfig(grad_clip=0.05)))
-             for state in ("fp32", "bf16")}
+    steps = {state: tiny_step("bf16", optimizer, grad_clip=0.05)
+             for state, optimizer in (("fp32", "adamw"), ("bf16", "adamw-bf16"))}
     step = steps["bf16"]
     linears = [m for m in step.model.modules() if isinstance(m, Linear)]
     assert isinstance(step.optimizer, AdamW) and len(step.optimizer.weight_copies) == len(linears) > 0
@@ -211,23 +220,27 @@ def test_the_bf16_state_step_keeps_a_copy_of_every_linear_weight_and_clips_insid
 def test_the_clipping_factor_reaches_the_update(monkeypatch):
     scales = []
     plain_step = AdamW.step
-    monkeypatch.setattr(AdamW, "step", lambda self, closure=None, grad_scale=None: (
-        scales.append(grad_scale), plain_step(self, closure, grad_scale))[1])
+    monkeypatch.setattr(AdamW, "step", lambda self, closure=None, clip_coef=None: (
+        scales.append(clip_coef), plain_step(self, closure, clip_coef))[1])
     g = torch.Generator().manual_seed(2)
     x, y = torch.randint(256, (4, 32), generator=g), torch.randint(256, (4, 32), generator=g)
+    factors = {}
     for clip in (0.0, 0.05, 1e6):
-        _, norm = tiny_step(StepConfig(precision="bf16", optim_state_dtype="bf16",
-                                       optimizer=OptimizerConfig(grad_clip=clip)))(x, y)
+        scales.clear()
+        step = tiny_step("bf16", "adamw-bf16", grad_clip=clip)
+        _, norm = step(x, y)
         if clip == 0.0:
-            assert scales[-1] is None  # no clipping: no factor
+            # No clipping: no factor, and each parameter's optimizer stepped during the backward.
+            assert len(scales) == len(list(step.model.parameters())) and all(s is None for s in scales)
         else:
-            torch.testing.assert_close(scales[-1], torch.clamp(clip / (norm + 1e-6), max=1.0))
-    assert scales[1] < 1 and scales[2] == 1
+            (factors[clip],) = scales  # one optimizer, stepped once
+            torch.testing.assert_close(factors[clip], torch.clamp(clip / (norm + 1e-6), max=1.0))
+    assert factors[0.05] < 1 and factors[1e6] == 1
 
 
 def test_fp32_compute_keeps_no_weight_copies():
     # fp32 compute reads no copy: none are made, and the optimizer is still the bf16-state one.
-    step = tiny_step(StepConfig(precision="fp32", optim_state_dtype="bf16"))
+    step = tiny_step("fp32", "adamw-bf16")
     assert isinstance(step.optimizer, AdamW) and step.optimizer.weight_copies == {}
 
 
@@ -248,8 +261,8 @@ def test_the_kernel_is_the_torch_update(numel, beta1, grad_scale, state_dtype, c
                    grad_scale=None if grad_scale is None else torch.tensor(grad_scale, device=KERNEL_DEVICE),
                    beta1=beta1, beta2=0.95, eps=1e-8, weight_decay=0.1)
     ours = {k: None if v is None else v.clone() for k, v in inputs.items()}
-    adamw._launch(**ours, **scalars)
-    adamw._update(**inputs, **scalars)
+    adamw_bf16._launch(**ours, **scalars)
+    adamw_bf16._update(**inputs, **scalars)
     for name, want in inputs.items():
         if want is not None:  # an element may round the other way where the fp32 values differ in their last bit
             torch.testing.assert_close(ours[name], want, rtol=1e-6 if want.dtype == torch.float32 else 2 ** -7,

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from training.schedule import lr_at
+from training.optim.schedule import lr_at
 
 
 def test_warmup_is_linear_then_cosine_to_min():
