@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_field(p, "execution", name, shown=True, dest=name, help=f"as train.py's --{name}; default: "
                   + ("bf16 on CUDA, fp32 on the CPU" if name == "dtype" else "the run's" if name == "attn" else
                      "cuda if available, else cpu"))
+    add_field(p, "run", "allow_pickle", shown=True, dest="allow_pickle")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     return p
 
@@ -53,7 +54,7 @@ def run_evaluation(args: argparse.Namespace) -> tuple[Evaluation, dict]:
     for name in ("batch_size", "eval_batches"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    path, state = open_checkpoint(Path(args.run))
+    path, state = open_checkpoint(Path(args.run), allow_pickle=bool(args.allow_pickle))
     run = run_config_of(state)
     asked = run.replace(execution={"attn": args.attn or run.execution.attn, "dtype": args.dtype,
                                    "device": args.device, "compile": False, "cuda_graph": False, "parallel": "none",

@@ -48,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1, help="samples, one after another")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
     add_field(p, "execution", "device", shown=True, dest="device")
-    add_field(p, "execution", "dtype", shown=True, dest="dtype", help="weights and KV cache (default: bf16 on CUDA, fp32 on the CPU)")
-    add_field(p, "execution", "attn", shown=True, dest="attn", help="attention backend (default: the run's, or sdpa if it has no "
-                                                       "decode path)")
+    add_field(p, "execution", "dtype", shown=True, dest="dtype",
+              help="weights and KV cache (default: bf16 on CUDA, fp32 on the CPU)")
+    add_field(p, "execution", "attn", shown=True, dest="attn",
+              help="attention backend (default: the run's, or sdpa if it has no decode path)")
+    add_field(p, "run", "allow_pickle", shown=True, dest="allow_pickle")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (and replay it as a CUDA graph on CUDA); pays on GPUs, not "
                         "on the CPU")
@@ -120,7 +122,7 @@ def load(args: argparse.Namespace, say: Callable[[str], None]) -> tuple:
         raise ConfigError("--max-new-tokens and --num-samples must be >= 1")
     device = parse_device(args.device)
     precision = args.dtype or default_dtype(device)
-    path, state = open_checkpoint(args.ckpt or Path(args.out), say)
+    path, state = open_checkpoint(args.ckpt or Path(args.out), say, bool(args.allow_pickle))
     run = run_config_of(state)
     attn = pick_attention(run.model, run.execution.attn, args.attn, DTYPES[precision], device)
     if attn != run.execution.attn and args.attn is None:

@@ -90,6 +90,8 @@ class DataConfig:
     batch_size: int = option(16, "sequences per optimizer step (all ranks together)", True)
     pack_documents: bool = option(False, "prepared data: rows start at document starts; attention stays within each "
                                          "document and RoPE restarts at each", True)
+    data_changed: bool = option(False, "--resume on data other than the run's (another corpus or tokenizer): meant, "
+                                       "and recorded in the run's data.json and metrics")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,8 @@ class RunConfig:
     seed: int = option(0, "seed of the initial weights and the data order", True)
     wandb: str = option("offline", "W&B: offline writes <out>/wandb for a later `wandb sync`", choices=WANDB_MODES)
     wandb_project: str = option("flash-lm", "W&B project")
+    allow_pickle: bool = option(False, "load checkpoints of earlier versions, written with pickle (torch.save): "
+                                       "unpickling can run code the file carries, so only for files you trust")
 
 
 @dataclass(frozen=True)

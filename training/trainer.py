@@ -22,7 +22,7 @@ from training.checkpoint.resume import load_checkpoint, save_checkpoint
 from training.cli import write_config
 from training.config import Config
 from training.data import open_source, vocab_of
-from training.data.record import record_data
+from training.data.record import check_resume_data, record_data
 from training.data.sampling import Sampler
 from training.evaluation import Evaluation, evaluate
 from training.logger import MetricsLogger, NullLogger
@@ -75,18 +75,21 @@ class Trainer:
                                       config.data.vocab_size, config.run.seed)
         vocab = vocab_of(self.source, config.data.vocab_size)
         self.config = config = config.replace(model={"vocab_size": vocab})
+        self.data_change = (check_resume_data(self.out, self.source, config.data.data_changed)
+                            if config.run.resume else None)
         self.sampler = Sampler(self.source, config.data.batch_size, config.model.context_length, config.run.seed,
                                self.ctx.rank, self.ctx.world_size, self.ctx.device, config.data.pack_documents)
         self.token_bytes = (None if self.source.token_bytes is None
                             else torch.as_tensor(self.source.token_bytes, device=self.ctx.device))
-        if self.ctx.is_main:  # every input checked: now the directory changes
-            directory.prepare(self.out, config.run.overwrite, self.warn)
-            record_data(self.source, self.out)
-            write_config(config, self.out)
         with self.ctx.device:  # initialised on the device itself: quick for large models, the same on every rank
             self.model = TransformerLM(config.model, config.execution.attn)
         self.step_fn = build_step(self.model, config, self.ctx)
         self.state = RunState()
+        self.to_do = self._resume() if config.run.resume else True
+        if self.ctx.is_main:  # every input checked and the checkpoint loaded: now the directory changes
+            directory.prepare(self.out, config.run.overwrite, self.warn)
+            record_data(self.source, self.out, self.data_change)
+            write_config(config, self.out)
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -108,8 +111,6 @@ class Trainer:
             self.say(f"nothing to do: {resumed.path} is at step {steps}, which is --steps {steps}; pass a larger "
                      "--steps to train on")
             return False
-        if self.ctx.is_main:  # rows logged after the checkpoint, by the run that was stopped, go
-            cut_after(self.out / METRICS_FILE, resumed.step, self.warn)
         return True
 
     def describe(self) -> str:
@@ -134,9 +135,11 @@ class Trainer:
 
     def fit(self) -> RunState:
         """Train to config.run.steps; returns where the run ended (exit_code 0: done; 128 + n: stopped by signal n)."""
-        if self.config.run.resume and not self._resume():
+        if not self.to_do:
             self.state.exit_code = 0
             return self.state
+        if self.config.run.resume and self.ctx.is_main:  # rows logged after the checkpoint, by the stopped run, go
+            cut_after(self.out / METRICS_FILE, self.state.step, self.warn)
         self.say(self.describe())
         self.logger = (MetricsLogger(self.out, self.config.run.wandb, self.config.run.wandb_project,
                                      self.config.to_dict(), append=self.config.run.resume)

@@ -1,9 +1,10 @@
-"""The checkpoint files of a run: the last K as `<out>/checkpoint-<step>.pt`; a resume loads the newest that loads.
+"""The checkpoint files of a run: the last K as `<out>/checkpoint-<step>.safetensors`; a resume loads the newest
+that loads.
 
-Each checkpoint is written to a temporary file, fsynced and renamed (training.files.write_atomic), so a crash
-leaves every earlier checkpoint whole. A file that does not load (truncated, overwritten, empty) is named in a
-one-line warning and the next older one is tried. The single `checkpoint.pt` of earlier versions is still read,
-as the oldest candidate.
+Each checkpoint is written to a temporary file, fsynced and renamed (format.save), so a crash leaves every earlier
+checkpoint whole. A file that does not load (truncated, damaged, non-finite weights, empty) is named in a one-line
+warning and the next older one is tried. The `checkpoint-<step>.pt` and `checkpoint.pt` files of earlier versions
+are still candidates, after the current ones of the same step; they load with `allow_pickle` (format.load_legacy).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+from training.checkpoint import format
+from training.checkpoint.format import LEGACY_NAME
 
-from training.checkpoint.format import CHECKPOINT_NAME as LEGACY_NAME
-from training.run.files import write_atomic
-_NUMBERED = re.compile(r"checkpoint-(\d+)\.pt")
+SUFFIX = ".safetensors"
+_NUMBERED = re.compile(r"checkpoint-(\d+)(\.safetensors|\.pt)")
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint to resume from; the one-line message names the directory and each file tried."""
+    """No checkpoint to load; the one-line message names the directory or file and what is wrong with each tried."""
 
 
 def _stderr(message: str) -> None:
@@ -29,17 +30,18 @@ def _stderr(message: str) -> None:
 
 
 def checkpoint_name(step: int) -> str:
-    return f"checkpoint-{step}.pt"
+    return f"checkpoint-{step}{SUFFIX}"
 
 
 def numbered(out: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every `checkpoint-<step>.pt` in `out`, newest first."""
+    """(step, path) of every `checkpoint-<step>.safetensors` (and earlier versions' `.pt`) in `out`, newest first,
+    the current format first at equal steps."""
     found = []
-    for p in out.glob("checkpoint-*.pt"):
+    for p in out.glob("checkpoint-*"):
         m = _NUMBERED.fullmatch(p.name)
         if m and p.is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found, reverse=True)
+            found.append((int(m.group(1)), m.group(2) == SUFFIX, p))
+    return [(step, p) for step, _, p in sorted(found, reverse=True)]
 
 
 def candidates(out: Path) -> list[Path]:
@@ -51,11 +53,11 @@ def candidates(out: Path) -> list[Path]:
 
 
 def save(state: dict[str, Any], out: Path, step: int, keep: int) -> Path:
-    """Write `state` as checkpoint-<step>.pt, durably, then delete all but the `keep` newest checkpoints."""
+    """Write `state` as checkpoint-<step>.safetensors, durably, then delete all but the `keep` newest checkpoints."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     path = out / checkpoint_name(step)
-    write_atomic(path, lambda f: torch.save(state, f))
+    format.save(state, path)
     prune(out, step, keep)
     return path
 
@@ -78,6 +80,8 @@ def prune(out: Path, step: int, keep: int) -> None:
 
 def _reason(e: BaseException, path: Path) -> str:
     """What went wrong, in a few words: the first sentence of the error."""
+    if isinstance(e, format.CheckpointFormatError):
+        return str(e)
     try:
         if path.stat().st_size == 0:
             return "the file is empty"
@@ -90,31 +94,37 @@ def _reason(e: BaseException, path: Path) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def load_file(path: Path) -> dict[str, Any]:
-    # weights_only=False: the checkpoint holds RNG states and the config dict, which a run of ours wrote.
-    state = torch.load(path, map_location="cpu", weights_only=False)
+def load_file(path: Path, allow_pickle: bool = False) -> dict[str, Any]:
+    """A checkpoint file of either format, checked (format.load); an earlier version's only with allow_pickle."""
+    if path.suffix == SUFFIX:
+        state = format.load(path)
+    else:
+        state = format.load_legacy(path, allow_pickle)
+        bad = format.nonfinite(state.get("model", {})) if isinstance(state, dict) else None
+        if bad:
+            raise format.CheckpointFormatError(f"its weights are not finite ({bad})")
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise ValueError("not a checkpoint of this trainer (no step)")
+        raise format.CheckpointFormatError("not a checkpoint of this trainer (no step)")
     return state
 
 
-def load_named(path: Path) -> dict[str, Any]:
+def load_named(path: Path, allow_pickle: bool = False) -> dict[str, Any]:
     """load_file, any failure turned into a one-line CheckpointError that names the file (a checkpoint given by
     name: there is no older one to fall back to)."""
     try:
-        return load_file(path)
+        return load_file(path, allow_pickle)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
         raise CheckpointError(f"checkpoint {path} does not load: {_reason(e, path)}") from None
 
 
-def load_newest(out: Path, warn: Callable[[str], None] = _stderr,
-                load: Callable[[Path], dict[str, Any]] = load_file) -> tuple[Path, dict[str, Any]]:
-    """(path, state) of the newest checkpoint in `out` that loads; a one-line warning for each newer one that does
-    not; CheckpointError if none does."""
+def load_newest(out: Path, warn: Callable[[str], None] = _stderr, allow_pickle: bool = False,
+                load: Callable[[Path], dict[str, Any]] | None = None) -> tuple[Path, dict[str, Any]]:
+    """(path, state) of the newest checkpoint in `out` that loads (intact, finite); a one-line warning for each newer
+    one that does not; CheckpointError if none does."""
+    load = load or (lambda path: load_file(path, allow_pickle))
     paths = candidates(out)
     if not paths:
-        raise CheckpointError(f"no checkpoint to resume from in {out} (looked for checkpoint-<step>.pt and "
-                              f"{LEGACY_NAME})")
+        raise CheckpointError(f"no checkpoint to resume from in {out} (looked for checkpoint-<step>{SUFFIX})")
     failed = []
     for path in paths:
         try:

@@ -17,20 +17,22 @@ from training.cli import apply, flatten
 from training.config import Config
 
 
-def open_checkpoint(run: Path, warn: Optional[Callable[[str], None]] = None) -> tuple[Path, dict[str, Any]]:
-    """(path, state) of a checkpoint file, or of the newest checkpoint of a run directory that loads."""
+def open_checkpoint(run: Path, warn: Optional[Callable[[str], None]] = None,
+                    allow_pickle: bool = False) -> tuple[Path, dict[str, Any]]:
+    """(path, state) of a checkpoint file, or of the newest checkpoint of a run directory that loads (intact, with
+    finite weights); an earlier version's pickled checkpoint only with allow_pickle."""
     if run.is_dir():
         if not checkpoint_files.candidates(run):
             dcp = run / sharded.DCP_DIR_NAME
             if dcp.exists():
                 raise CheckpointError(f"{run} holds only a sharded FSDP checkpoint; make one file of it with `python -m "
-                                      f"training.checkpoint.consolidate {dcp} {run}/consolidated.pt --model-only` and "
-                                      "pass that file")
+                                      f"training.checkpoint.consolidate {dcp} {run}/consolidated.safetensors "
+                                      "--model-only` and pass that file")
             raise CheckpointError(f"no checkpoint in {run} (train one with `python train.py --out {run}`)")
-        return checkpoint_files.load_newest(run, **({"warn": warn} if warn else {}))
+        return checkpoint_files.load_newest(run, **({"warn": warn} if warn else {}), allow_pickle=allow_pickle)
     if not run.is_file():
         raise CheckpointError(f"no checkpoint at {run}")
-    return run, checkpoint_files.load_named(run)
+    return run, checkpoint_files.load_named(run, allow_pickle)
 
 
 def run_config_of(state: dict[str, Any]) -> Config:

@@ -1,6 +1,6 @@
 """A run's state on disk: saving it, and resuming from the newest checkpoint that loads.
 
-One process and DDP keep the last --keep-checkpoints files `<out>/checkpoint-<step>.pt` (files.py); FSDP writes the
+One process and DDP keep the last --keep-checkpoints files `<out>/checkpoint-<step>.safetensors` (files.py); FSDP writes the
 sharded directory `<out>/checkpoint_dcp/` (sharded.py). Both hold the model, the optimizer state keyed by parameter
 name (so it loads into any arrangement of optimizers: one, or one per parameter when stepped in the backward), the
 gradient scaler, the step (also the data position: batches are drawn by (seed, step)), the RNG states and the run's
@@ -64,7 +64,7 @@ def save_checkpoint(out: Path, model: torch.nn.Module, optimizer: Any, scaler: t
     return out / checkpoint_files.checkpoint_name(step)
 
 
-def _read(out: Path, ctx: DistContext, warn: Callable[[str], None]) -> tuple[Path, dict]:
+def _read(out: Path, ctx: DistContext, warn: Callable[[str], None], allow_pickle: bool) -> tuple[Path, dict]:
     """(path, state) of the checkpoint to resume from; for FSDP, the state holds the extras only."""
     dcp = out / sharded_checkpoint.DCP_DIR_NAME
     single = checkpoint_files.candidates(out)
@@ -74,10 +74,10 @@ def _read(out: Path, ctx: DistContext, warn: Callable[[str], None]) -> tuple[Pat
                               "resumes with --parallel ddp or none, not fsdp")
         return dcp, sharded_checkpoint.load_extras(dcp)
     if not single and dcp.exists():
-        raise ResumeError(f"no checkpoint-<step>.pt in {out}, but the sharded FSDP checkpoint {dcp} exists: resume "
-                          f"with --parallel fsdp, or consolidate it first with `python -m "
-                          f"training.checkpoint.consolidate {dcp} {out / checkpoint.CHECKPOINT_NAME}`")
-    return checkpoint_files.load_newest(out, warn)
+        raise ResumeError(f"no checkpoint-<step>{checkpoint_files.SUFFIX} in {out}, but the sharded FSDP checkpoint "
+                          f"{dcp} exists: resume with --parallel fsdp, or consolidate it first with `python -m "
+                          f"training.checkpoint.consolidate {dcp} {out}/checkpoint-<its step>{checkpoint_files.SUFFIX}`")
+    return checkpoint_files.load_newest(out, warn, allow_pickle)
 
 
 def execution_changes(state: dict[str, Any], config: Config) -> list[str]:
@@ -125,7 +125,7 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: Any, saved: dict[str
 def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,
                     config: Config, ctx: DistContext, warn: Callable[[str], None]) -> Resumed:
     """Restore model, optimizer, scaler and RNG from the newest checkpoint in `out` that loads."""
-    path, state = _read(out, ctx, warn)
+    path, state = _read(out, ctx, warn, config.run.allow_pickle)
     check_architecture(path, state, config.model)
     if ctx.parallel == "fsdp":
         sharded_checkpoint.load(path, model, optimizer)

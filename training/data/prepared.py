@@ -117,8 +117,9 @@ def open_prepared(directory: Path, context_length: int) -> DataSource:
                                     f"of context length {context_length} plus one")
     tokenizer = data.tokenizer()
     meta = data.meta
-    identity = {"kind": "prepared", "source": str(directory), "corpus": meta["source"], "key": meta.get("key"),
-                "tokenizer": meta["tokenizer"], "tokenizer_fingerprint": meta["tokenizer_fingerprint"],
-                "vocab_size": meta["vocab_size"], "eod_id": meta["eod_id"]}
+    identity = {"kind": "prepared", "source": str(directory), "corpus": meta["source"],
+                "fingerprint": f"prepared:{meta.get('key')}", "tokenizer": meta["tokenizer"],
+                "tokenizer_fingerprint": meta["tokenizer_fingerprint"], "vocab_size": meta["vocab_size"],
+                "eod_id": meta["eod_id"]}
     return DataSource(train, val, data.describe(), data.vocab_size, tokenizer.token_bytes(),
                       {s: data.splits[s].doc_starts for s in SPLITS}, data.eod_id, tokenizer, identity)

@@ -1,45 +1,91 @@
-"""What a run records about its data in its output directory, so that evaluation and sampling use what it trained on.
+"""What a run records about its data, and the checks that keep a run bound to it.
 
-A run on prepared data keeps a copy of its tokenizer (`tokenizer.json`) and a note of the data (`data.json`); a run
-on text bytes or token files records no tokenizer (bytes decode as UTF-8).
+Every run writes `data.json` in its output directory: the kind and path of its data, a fingerprint of its content
+(a CRC-32 of the tokens, or the content hash a prepared directory was made from), and for prepared data its
+tokenizer (whose `tokenizer.json` it copies beside). A resume, evaluate.py and sample.py compare against it: other
+data or another tokenizer is refused with one line naming both, unless the change is meant (--data-changed), which
+the record then keeps in its history.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from training.data.source import DataError, DataSource
 from training.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from training.run.files import write_atomic
 
 DATA_NOTE = "data.json"
-
-
-def record_data(source: DataSource, out: Path) -> None:
-    """Copy the prepared data's tokenizer and a note of the data into the run's output directory."""
-    if source.identity.get("kind") != "prepared":
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer_file = Path(source.identity["source"]) / TOKENIZER_FILE
-    if tokenizer_file.exists():
-        write_atomic(out / TOKENIZER_FILE, lambda f: f.write(tokenizer_file.read_bytes()))
-    note = {"data": source.identity["source"], **{k: source.identity[k] for k in (
-        "corpus", "tokenizer", "tokenizer_fingerprint", "vocab_size", "eod_id")}}
-    write_atomic(out / DATA_NOTE, lambda f: f.write((json.dumps(note, indent=2) + "\n").encode()))
+_TOKENIZER_KEYS = ("corpus", "tokenizer", "tokenizer_fingerprint", "vocab_size", "eod_id")
 
 
 def data_note(run_dir: Path) -> Optional[dict]:
-    """What record_data wrote for a run; None for a run on other data (byte-level text, token files)."""
+    """What a run recorded of its data; None for a run of a version that did not record it."""
     path = run_dir / DATA_NOTE
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.is_file():
+        return None
+    try:
+        note = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is not a data record: {e}") from None
+    return note if isinstance(note, dict) else None
+
+
+def note_of(source: DataSource) -> dict[str, Any]:
+    note = {"data": source.identity.get("source"), "kind": source.identity.get("kind"),
+            "description": source.description, "fingerprint": source.identity.get("fingerprint")}
+    return note | {k: source.identity[k] for k in _TOKENIZER_KEYS if k in source.identity}
+
+
+def same_data(recorded: dict, source: DataSource) -> bool:
+    """Whether `source` is the data a record describes: the same content (fingerprint); records of earlier versions,
+    which keep no fingerprint, by the tokenizer alone."""
+    if recorded.get("fingerprint") is not None:
+        return recorded["fingerprint"] == source.identity.get("fingerprint")
+    return recorded.get("tokenizer_fingerprint") == source.identity.get("tokenizer_fingerprint")
+
+
+def check_resume_data(out: Path, source: DataSource, changed: bool) -> Optional[str]:
+    """Before a resume touches anything: the data must be the run's, unless `changed` (--data-changed) says the
+    change is meant. Returns a line describing a meant change, else None."""
+    recorded = data_note(out)
+    if recorded is None or same_data(recorded, source):
+        return None
+    line = (f"--data {source.identity.get('source')} ({source.description}) is not the data the run in {out} trained "
+            f"on ({recorded.get('description') or recorded.get('data')}, recorded in {out / DATA_NOTE})")
+    if not changed:
+        raise DataError(f"{line}; pass --data-changed to train on it anyway")
+    return line
+
+
+def record_data(source: DataSource, out: Path, change: Optional[str] = None) -> None:
+    """Write data.json (and copy a prepared directory's tokenizer); a meant change keeps the earlier record."""
+    note = note_of(source)
+    earlier = data_note(out)
+    if earlier is not None and change is not None:
+        note["history"] = [*earlier.pop("history", []), {**earlier, "replaced_because": change}]
+    elif earlier is not None and earlier.get("history"):
+        note["history"] = earlier["history"]
+    if source.identity.get("kind") == "prepared":
+        tokenizer_file = Path(source.identity["source"]) / TOKENIZER_FILE
+        if tokenizer_file.exists():
+            write_atomic(out / TOKENIZER_FILE, lambda f: f.write(tokenizer_file.read_bytes()))
+    write_atomic(out / DATA_NOTE, lambda f: f.write((json.dumps(note, indent=2) + "\n").encode()))
 
 
 def run_tokenizer(run_dir: Path) -> Optional[Tokenizer]:
-    """The tokenizer a run trained with, from its output directory; None when it trained on no prepared data."""
+    """The tokenizer a run trained with, from its output directory, checked against its record (a swapped
+    tokenizer.json would decode wrongly); None when it trained on bytes or token files."""
     note = data_note(run_dir)
-    return None if note is None else load_tokenizer(note["tokenizer"], run_dir)
+    if note is None or note.get("tokenizer") is None:
+        return None
+    tokenizer = load_tokenizer(note["tokenizer"], run_dir)
+    if tokenizer.fingerprint() != note["tokenizer_fingerprint"]:
+        raise DataError(f"{run_dir / TOKENIZER_FILE} is not the tokenizer the run trained with (fingerprint "
+                        f"{tokenizer.fingerprint()}, recorded {note['tokenizer_fingerprint']} in {run_dir / DATA_NOTE})")
+    return tokenizer
 
 
 def check_same_tokenizer(run_dir: Path, source: DataSource, spec: Optional[str]) -> None:
@@ -48,17 +94,19 @@ def check_same_tokenizer(run_dir: Path, source: DataSource, spec: Optional[str])
     name = spec or "the built-in corpus"
     ours = source.identity
     prepared = ours.get("kind") == "prepared"
-    if note is None:  # trained on byte-level text or token files: prepared data fits only if it is bytes too
+    trained_on = None if note is None else note.get("tokenizer")
+    if trained_on is None:  # trained on byte-level text or token files: prepared data fits only if it is bytes too
         if prepared and ours["tokenizer"] != "bytes":
             raise DataError(f"{name} holds {ours['tokenizer']} tokens, but the run in {run_dir} was not trained on "
                             "prepared data (it records no tokenizer)")
         return
     if not prepared:
-        if note["tokenizer"] != "bytes":
-            raise DataError(f"the run in {run_dir} was trained on {note['tokenizer']} tokens ({note['data']}); {name} "
-                            "is not prepared with its tokenizer")
+        if trained_on != "bytes":
+            raise DataError(f"the run in {run_dir} was trained on {trained_on} tokens ({note['data']}); {name} is not "
+                            "prepared with its tokenizer")
         return
     if note["tokenizer_fingerprint"] != ours["tokenizer_fingerprint"]:
         raise DataError(f"{name} is tokenized with another tokenizer ({ours['tokenizer']}, vocabulary "
-                        f"{ours['vocab_size']}) than the run in {run_dir} was trained with ({note['tokenizer']}, "
+                        f"{ours['vocab_size']}) than the run in {run_dir} was trained with ({trained_on}, "
                         f"vocabulary {note['vocab_size']}, from {note['data']})")
+

@@ -7,6 +7,7 @@ draws its batches through training/data/sampling.py and never asks which kind it
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -37,6 +38,15 @@ class DataSource:
         if name not in ("train", "val"):
             raise ValueError(f"unknown split {name!r}; valid: train, val")
         return self.train if name == "train" else self.val
+
+
+def content_crc(tokens: np.ndarray, block: int = 1 << 24) -> str:
+    """A CRC-32 of a token stream's bytes (read in blocks, whatever its size): what a run records of its data."""
+    crc = 0
+    flat = np.asarray(tokens).reshape(-1)
+    for start in range(0, len(flat), block):
+        crc = zlib.crc32(np.ascontiguousarray(flat[start:start + block]).view(np.uint8), crc)
+    return f"crc32:{crc:08x}:{len(flat)}"
 
 
 def split_train_val(tokens: np.ndarray, context_length: int, val_fraction: float = 0.05,

@@ -16,4 +16,5 @@ def open_synthetic(vocab_size: int, seed: int, context_length: int) -> DataSourc
     description = f"synthetic uniform tokens (vocab {vocab_size})"
     train, val = split_train_val(tokens, context_length, name=description)
     return DataSource(train, val, description, vocab_size,
-                      identity={"kind": "synthetic", "source": "synthetic", "vocab_size": vocab_size, "seed": seed})
+                      identity={"kind": "synthetic", "source": "synthetic", "vocab_size": vocab_size, "seed": seed,
+                                "fingerprint": f"synthetic:{vocab_size}:{seed}"})

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from training.data.source import DataError, DataSource, split_train_val
+from training.data.source import DataError, DataSource, content_crc, split_train_val
 from training.data.tokenizer import BYTE_VOCAB
 from training.run.files import write_atomic
 
@@ -140,4 +140,4 @@ def open_text(spec: Optional[str], cache_dir: Path, context_length: int,
         description = f"text file {path} (bytes)"
     train, val = split_train_val(tokens, context_length, name=description)
     return DataSource(train, val, description, BYTE_VOCAB, np.ones(BYTE_VOCAB, dtype=np.int64),
-                      identity={"kind": "bytes", "source": spec or "builtin"})
+                      identity={"kind": "bytes", "source": spec or "builtin", "fingerprint": content_crc(tokens)})

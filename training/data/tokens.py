@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.data.source import DataError, DataSource, split_train_val
+from training.data.source import DataError, DataSource, content_crc, split_train_val
 
 
 def open_tokens(path: Path, context_length: int) -> DataSource:
@@ -28,4 +28,5 @@ def open_tokens(path: Path, context_length: int) -> DataSource:
                             f"{tokens.dtype}")
         description = f"token array {path}"
     train, val = split_train_val(tokens, context_length, name=description)
-    return DataSource(train, val, description, None, identity={"kind": "tokens", "source": str(path)})
+    return DataSource(train, val, description, None,
+                      identity={"kind": "tokens", "source": str(path), "fingerprint": content_crc(tokens)})
