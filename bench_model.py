@@ -166,8 +166,9 @@ class Point:
 
     @property
     def overlapped(self) -> bool:
-        """The optimizer steps during the backward (ours, train-step, one process: never clipped here)."""
-        return self.impl == "ours" and self.mode == "train-step" and overlaps_backward(self.config)
+        """The optimizer steps during the backward (a train-step, ours or the peer's, in one process: never clipped
+        here), as build_step builds it."""
+        return self.mode == "train-step" and overlaps_backward(self.config)
 
     @property
     def slug(self) -> str:
@@ -284,22 +285,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = check_args(p, p.parse_args(argv))
     if args.out is None:
-        args.out = str(Path("runs/bench_model") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        args.out = str(new_out_dir(Path("runs/bench_model")))
     launcher = ["python"] if args.parallel == "none" else ["torchrun", "--nproc-per-node", str(args.world_size)]
     args.command = shlex.join([*launcher, "bench_model.py", *argv])  # recorded in results.md
     return args
 
 
+def new_out_dir(root: Path) -> Path:
+    """A folder under `root` named by the time, that no earlier run wrote (-2, -3, ... after a run of the same
+    second)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = root / stamp, 1
+    while path.exists():
+        n += 1
+        path = root / f"{stamp}-{n}"
+    return path
+
+
 def point_config(args: argparse.Namespace, model: ModelConfig, attn: str, dtype: str, compile_: bool, graph: bool,
-                 fp8_recipe: str, optimizer: str) -> Config:
-    """A row's training configuration: train.py's, timed without clipping (the optimizer then overlaps the backward
-    wherever it can), resolved by the same function; the batch is per GPU."""
+                 fp8_recipe: str, optimizer: str, mode: str) -> Config:
+    """A row's training configuration: train.py's, resolved by the same function; the batch is per GPU. A train-step
+    is timed without clipping (the optimizer then overlaps the backward wherever it can); the other modes never step
+    the optimizer, and keep train.py's clipping so that it does not step inside their backward either."""
     config = Config(model=model).replace(
         execution={"attn": attn, "dtype": dtype, "compile": compile_, "cuda_graph": graph, "fp8": fp8_recipe,
                    "parallel": args.parallel, "device": str(args.device)},
-        optim={"optimizer": optimizer, "grad_clip": 0.0},
+        optim={"optimizer": optimizer, **({"grad_clip": 0.0} if mode == "train-step" else {})},
         data={"batch_size": args.batch_size * args.world_size})
-    return resolve(config, world_size=args.world_size).config
+    # Every rule but the backend's: a backend that cannot run a point gets an unsupported row when the point runs (the
+    # sweep goes on), so the rules are checked with naive, which runs everything, in its place.
+    resolved = resolve(config.replace(execution={"attn": "naive"}), world_size=args.world_size).config
+    return resolved.replace(execution={"attn": attn})
 
 
 def sweep_points(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Point]:
@@ -315,7 +331,7 @@ def sweep_points(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[P
         for recipe, optimizer in itertools.product(args.fp8 if ours else ["off"], args.optimizer if ours else ["adamw"]):
             try:
                 config = point_config(args, dataclasses.replace(model, context_length=t), attn, dtype, comp, graph,
-                                      recipe, optimizer)
+                                      recipe, optimizer, mode)
             except (ConfigError, ValueError) as e:
                 p.error(str(e))
             points.append(Point(size, config, args.batch_size, mode, impl))

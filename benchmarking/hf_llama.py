@@ -33,7 +33,7 @@ class HFLlama(nn.Module):
         self.cfg = cfg
         self.hf = LlamaForCausalLM(LlamaConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
             max_position_embeddings=cfg.context_length, rope_theta=cfg.rope_theta, rms_norm_eps=1e-5,
             tie_word_embeddings=False, attention_bias=False, mlp_bias=False, use_cache=False,
             attn_implementation="sdpa"))
@@ -60,15 +60,16 @@ def llama_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     d_head = cfg.d_head
     within = torch.cat([torch.arange(0, d_head, 2), torch.arange(1, d_head, 2)])
     rows = (torch.arange(cfg.n_heads)[:, None] * d_head + within).flatten().to(model.embed.weight.device)
+    kv_rows = rows[:cfg.kv_heads * d_head]  # the same reordering of each of the key/value heads
     state = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.final_norm.weight,
              "lm_head.weight": model.lm_head.weight}
     for i, block in enumerate(model.blocks):
-        q, k, v = block.attn.qkv.weight.chunk(3)
+        q, k, v = block.attn.qkv.weight.split([cfg.d_model, cfg.kv_heads * d_head, cfg.kv_heads * d_head])
         prefix = f"model.layers.{i}."
         state.update({
             prefix + "input_layernorm.weight": block.attn_norm.weight,
             prefix + "self_attn.q_proj.weight": q[rows],
-            prefix + "self_attn.k_proj.weight": k[rows],
+            prefix + "self_attn.k_proj.weight": k[kv_rows],
             prefix + "self_attn.v_proj.weight": v,
             prefix + "self_attn.o_proj.weight": block.attn.out.weight,
             prefix + "post_attention_layernorm.weight": block.ffn_norm.weight,

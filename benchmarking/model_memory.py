@@ -80,15 +80,15 @@ class MemoryBreakdown:
 
 def param_count(cfg: ModelConfig) -> int:
     """Exactly TransformerLM(cfg).num_params(): embedding, blocks, final norm, untied LM head."""
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    per_layer = 3 * d * d + d * d + 3 * d * f + 2 * d  # qkv, out-proj, w1 w2 w3, two RMSNorm gains
+    d, f, v, kv = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.kv_heads * cfg.d_head
+    per_layer = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # qkv (k, v: kv heads), out-proj, w1 w2 w3, 2 gains
     return v * d + cfg.n_layers * per_layer + d + d * v
 
 
 def matmul_weight_count(cfg: ModelConfig) -> int:
     """Parameters that autocast casts to bf16: every Linear weight (not the embedding or norm gains)."""
-    d, f = cfg.d_model, cfg.d_ff
-    return cfg.n_layers * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
+    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.d_head
+    return cfg.n_layers * (d * (d + 2 * kv) + d * d + 3 * d * f) + d * cfg.vocab_size
 
 
 def _check(dtype: str, mode: str, batch: int, seq: int) -> None:
@@ -108,12 +108,20 @@ def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device
     a = BF16 if dtype == "bf16" else FP32  # bytes of a matmul input/output
     btd, a_name = B * T * d, "a"
     sec = MemorySection(f"activations saved per layer (x {cfg.n_layers} layers)", repeat=cfg.n_layers)
-    sec.add(f"block input x (residual stream, {'bf16' if a == BF16 else 'fp32'}; attn RMSNorm input)", a * btd,
-            f"B*T*d*{a_name}")
+    # RMSNorm computes in fp32: what it saves of its input is the fp32 upcast of a bf16 residual stream.
+    upcast = "; its RMSNorm saves it upcast to fp32" if a == BF16 else ""
+    sec.add(f"block input x (residual stream, {'bf16' if a == BF16 else 'fp32'}; attn RMSNorm input{upcast})",
+            4 * btd, "B*T*d*4")
     sec.add("attn RMSNorm: x*rsqrt (fp32) and rsqrt", 4 * btd + 4 * B * T, "B*T*d*4 + B*T*4")
     sec.add("qkv input (RMSNorm output" + (", bf16 cast)" if a == BF16 else ")"), a * btd, f"B*T*d*{a_name}")
-    sec.add("RoPE'd q and k", 2 * a * btd, f"2*B*T*d*{a_name}")
-    sec.add("v (its own copy, not a view that would keep the qkv output alive)", a * btd, f"B*T*d*{a_name}")
+    if cfg.kv_heads == h or attn in MATERIALISING_BACKENDS:  # their batched matmuls save k and v copied to h heads
+        sec.add("RoPE'd q and k", 2 * a * btd, f"2*B*T*d*{a_name}")
+        sec.add("v (its own copy, not a view that would keep the qkv output alive)", a * btd, f"B*T*d*{a_name}")
+    else:  # GQA: k and v have the key/value heads only
+        kv = B * T * cfg.kv_heads * cfg.d_head
+        sec.add("RoPE'd q and k (k: the key/value heads)", a * (btd + kv), f"B*T*(d+kv*d_head)*{a_name}")
+        sec.add("v (its own copy, not a view that would keep the qkv output alive)", a * kv,
+                f"B*T*kv*d_head*{a_name}")
     if attn in MATERIALISING_BACKENDS:
         sec.add("causal mask (bool)", T * T, "T^2")
         if a == BF16 and device_type == "cuda":
@@ -128,8 +136,8 @@ def layer_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str, device
         sec.add("attention output o (saved by the fused kernel; the out-proj input views it)", a * btd,
                 f"B*T*d*{a_name}")
         sec.add("softmax logsumexp (fp32)", 4 * B * h * T, "B*h*T*4")
-    sec.add(f"residual after attention ({'bf16' if a == BF16 else 'fp32'}; FFN RMSNorm input)", a * btd,
-            f"B*T*d*{a_name}")
+    sec.add(f"residual after attention ({'bf16' if a == BF16 else 'fp32'}; FFN RMSNorm input{upcast})", 4 * btd,
+            "B*T*d*4")
     sec.add("FFN RMSNorm: x*rsqrt (fp32) and rsqrt", 4 * btd + 4 * B * T, "B*T*d*4 + B*T*4")
     if a == BF16:
         # One matmul for w1 and w3 (model.layers.SwiGLU): one bf16 cast of its input. On CUDA the activation's kernel

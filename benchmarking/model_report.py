@@ -70,7 +70,7 @@ def columns_for(args: argparse.Namespace) -> list[str]:
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings as JSON-friendly values (results.json, W&B config)."""
-    config = {k: v for k, v in vars(args).items() if k != "models"}
+    config = {k: v for k, v in vars(args).items() if k not in ("models", "points")}  # the rows hold the points
     config["device"] = str(args.device)
     config["models"] = {k: c.to_dict() for k, c in args.models.items()}
     return config

@@ -1,6 +1,7 @@
 """bench_model.py end to end on CPU with a tiny custom model: rows, files, profiling flags, OOM rows, bad args."""
 
 import csv
+import datetime
 import json
 
 import pytest
@@ -11,9 +12,11 @@ from benchmarking import model_report
 from benchmarking.oom import INJECT_OOM_ENV
 from model import ModelConfig, TransformerLM
 from profiling import nvtx
+from training.optim import optimizer_names
+from training.optim.overlapped import OverlappedOptimizer
 
 TINY = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--vocab-size", "256",
-        "--batch-size", "2", "--warmup", "1", "--steps", "2", "--device", "cpu", "--no-progress"]
+        "--batch-size", "2", "--warmup", "1", "--steps", "2", "--device", "cpu"]
 TINY_PARAMS = TransformerLM(ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256)).num_params()
 PHASES_OF = {
     "forward": {"forward", "total"},
@@ -37,6 +40,10 @@ def test_every_mode_and_context_gets_a_row_with_positive_figures(sweep):
     for r in rows:
         assert r["status"] == "ok" and r["size"] == "custom"
         assert r["params"] == TINY_PARAMS
+        assert r["optimizer"] == "adamw"
+        # Timed without clipping, a one-process train-step steps the optimizer inside its backward; no other mode
+        # steps it at all.
+        assert r["overlap_optimizer"] == (r["mode"] == "train-step")
         for phase in model_report.PHASES:
             mean, std = r[f"{phase}_ms_mean"], r[f"{phase}_ms_std"]
             if phase in PHASES_OF[r["mode"]]:
@@ -60,9 +67,11 @@ def test_output_files_have_the_documented_columns(sweep):
     payload = json.loads((out / "results.json").read_text())
     assert payload["environment"]["torch"] == torch.__version__
     assert [set(r) for r in payload["rows"]] == [set(bench_model.COLUMNS)] * len(rows)
-    assert payload["config"]["configs"]["custom"]["d_model"] == 64
+    assert payload["config"]["models"]["custom"]["d_model"] == 64
+    assert "points" not in payload["config"]  # the rows hold each point's configuration
     md = (out / "results.md").read_text()
-    assert "# Model benchmark" in md and "## Total step ms, naive fp32 compile=off train-step" in md
+    assert "# Model benchmark" in md and "## Total step ms, naive fp32 compile=off train-step opt-overlap" in md
+    assert "## Total step ms, naive fp32 compile=off forward-backward\n" in md
     assert "## Environment" in md
     for mode in PHASES_OF:
         assert (out / f"step_time_{mode}.png").stat().st_size > 0
@@ -161,48 +170,105 @@ def test_nvtx_ranges_cover_warmup_steps_phases_and_attention(tmp_path, monkeypat
 def test_sweep_order_and_compile_both():
     args = bench_model.parse_args([*TINY, "--sizes", "small", "--context-lengths", "128,256", "--attn", "naive,sdpa",
                                    "--dtype", "fp32,bf16", "--compile", "both", "--mode", "forward,train-step"])
-    points = bench_model.sweep_points(args)
+    points = args.points
     assert len(points) == 2 * 2 * 2 * 2 * 2 * 2  # sizes x attn x dtype x compile x context x mode
     assert points[0].size == "small" and points[-1].size == "custom"
-    assert points[0].cfg.attn == "naive" and points[0].context_length == 128
-    assert {p.compile for p in points} == {False, True}
+    assert points[0].attn == "naive" and points[0].config.execution.attn == "naive"
+    assert points[0].context_length == 128 == points[0].config.model.context_length
+    assert {p.config.execution.compile for p in points} == {False, True}
+    assert {p.config.execution.dtype for p in points} == {"fp32", "bf16"}
     assert bench_model.parse_args([*TINY, "--compile"]).compile == "on"
 
 
-def test_weight_grads_flag_reaches_every_config_and_the_label():
-    default = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small"]))
-    assert all(p.cfg.fp32_weight_grads for p in default) and "dW=" not in default[0].label
-    plain = bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", "--weight-grads", "autocast"]))
-    assert not any(p.cfg.fp32_weight_grads for p in plain) and plain[0].label.endswith(" dW=autocast")
+def test_each_point_carries_its_resolved_training_config():
+    point, = bench_model.parse_args([*TINY, "--context-lengths", "32", "--mode", "train-step"]).points
+    ex, optim = point.config.execution, point.config.optim
+    assert (ex.attn, ex.dtype, ex.compile, ex.cuda_graph, ex.fp8, ex.device) == ("sdpa", "fp32", False, False, "off",
+                                                                                   "cpu")
+    assert (optim.optimizer, optim.grad_clip) == ("adamw", 0.0)  # timed without clipping
+    assert point.config.optim.warmup_steps is not None  # resolved: every automatic default filled
 
 
-@pytest.mark.parametrize("flag, other, field, label", [("--fused-rope", "off", "fused_rope", " rope=torch"),
-                                                       ("--residual", "autocast", "fp32_residual", " residual=autocast"),
-                                                       ("--fused-gate-up", "off", "fused_gate_up", " gate-up=apart")])
-def test_model_option_flags_reach_every_config_and_the_label(flag, other, field, label):
-    def points(*argv):
-        return bench_model.sweep_points(bench_model.parse_args([*TINY, "--sizes", "small", *argv]))
-
-    default = points()
-    assert all(getattr(p.cfg, field) for p in default) and label.split("=")[0] + "=" not in default[0].label
-    changed = points(flag, other)
-    assert not any(getattr(p.cfg, field) for p in changed) and changed[0].label.endswith(label)
-    both = points(flag, "both", "--impl", "ours,hf")
-    ours = [getattr(p.cfg, field) for p in both if p.impl == "ours"]
-    peer = [getattr(p.cfg, field) for p in both if p.impl == "hf"]
-    # ours: a row each way; the peer: one, with the default
-    assert sorted(ours) == [False] * len(peer) + [True] * len(peer) and all(peer)
+@pytest.mark.parametrize("flag", [["--weight-grads", "autocast"], ["--residual", "autocast"], ["--fused-rope", "off"],
+                                  ["--fused-gate-up", "off"], ["--compile-scope", "model"], ["--overlap-optimizer"],
+                                  ["--optim-state-dtype", "bf16"], ["--dist-timeout", "60"], ["--no-progress"],
+                                  ["--snapshot-max-entries", "100"]])
+def test_a_retired_flag_is_refused_in_one_line_without_usage(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_model.parse_args([*TINY, *flag])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: unrecognized arguments: {' '.join(flag)}\n"
 
 
-def test_overlap_optimizer_both_gives_ours_a_row_each_way_and_the_peer_one(tmp_path):
-    args = bench_model.parse_args([*TINY, "--context-lengths", "16", "--mode", "train-step", "--impl", "ours,hf",
-                                   "--overlap-optimizer", "both"])
-    assert [(p.impl, p.overlap_optimizer) for p in bench_model.sweep_points(args)] == [
-        ("ours", False), ("ours", True), ("hf", False)]
-    rows = bench_model.main([*TINY, "--context-lengths", "16", "--mode", "train-step", "--overlap-optimizer",
-                             "--out", str(tmp_path)])
-    assert [r["overlap_optimizer"] for r in rows] == [True] and rows[0]["status"] == "ok"
-    assert "opt-overlap" in (tmp_path / "results.md").read_text()
+def test_the_optimizer_steps_inside_the_backward_of_one_process_train_steps_only():
+    args = bench_model.parse_args([*TINY, "--context-lengths", "16", "--mode", "forward,forward-backward,train-step",
+                                   "--impl", "ours,hf"])
+    assert [(p.impl, p.mode, p.overlapped) for p in args.points] == [
+        ("ours", "forward", False), ("ours", "forward-backward", False), ("ours", "train-step", True),
+        ("hf", "forward", False), ("hf", "forward-backward", False), ("hf", "train-step", True)]
+    for point in args.points:  # the step is built as the row says
+        optimizer = bench_model.build_runner(point, torch.device("cpu")).train.optimizer
+        assert isinstance(optimizer, OverlappedOptimizer) == point.overlapped, point.label
+    assert "opt-overlap" in args.points[2].label and "opt-overlap" not in args.points[1].label
+
+
+def test_the_parallel_baseline_is_the_same_config_without_the_overlapped_optimizer(monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    args = bench_model.parse_args([*TINY, "--context-lengths", "16", "--mode", "train-step", "--parallel", "ddp"])
+    point, = args.points
+    assert args.world_size == 2 and point.config.execution.parallel == "ddp" and point.batch_size == 2
+    assert point.config.data.batch_size == 4  # the global batch: 2 sequences per rank
+    assert not point.overlapped and "opt-overlap" not in point.label
+    # The one-GPU baseline: the plain model of one process, built from the same config, its optimizer after the
+    # backward as under DDP.
+    baseline = bench_model.build_runner(point, torch.device("cpu"))
+    assert isinstance(baseline.model, TransformerLM) and baseline.train.step_model is baseline.model
+    assert not isinstance(baseline.train.optimizer, OverlappedOptimizer)
+    row = bench_model.base_row(point, bench_model.replace_parallel(args))
+    assert row["overlap_optimizer"] is False and "parallel" not in row
+
+
+def test_the_optimizer_list_gives_a_row_per_optimizer(tmp_path):
+    rows = bench_model.main([*TINY, "--context-lengths", "16", "--mode", "train-step", "--attn", "naive",
+                             "--optimizer", "adamw,adamw-bf16", "--out", str(tmp_path)])
+    assert [(r["optimizer"], r["status"]) for r in rows] == [("adamw", "ok"), ("adamw-bf16", "ok")]
+    assert all(r["total_ms_mean"] > 0 and r["optimizer_ms_mean"] is not None for r in rows)
+    with (tmp_path / "results.csv").open() as f:
+        assert [r["optimizer"] for r in csv.DictReader(f)] == ["adamw", "adamw-bf16"]
+    md = (tmp_path / "results.md").read_text()
+    assert "## Total step ms, naive fp32 compile=off train-step opt-overlap adamw-bf16" in md
+    assert set(optimizer_names()) >= {"adamw", "adamw-bf16"}
+
+
+def test_n_kv_heads_builds_gqa_models(tmp_path):
+    rows = bench_model.main([*TINY, "--n-kv-heads", "2", "--context-lengths", "16", "--mode", "train-step",
+                             "--attn", "naive,sdpa", "--out", str(tmp_path)])
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256, n_kv_heads=2)
+    assert [(r["attn"], r["status"]) for r in rows] == [("naive", "ok"), ("sdpa", "ok")]
+    assert all(r["params"] == TransformerLM(cfg).num_params() < TINY_PARAMS for r in rows)
+    args = bench_model.parse_args([*TINY, "--sizes", "small", "--n-kv-heads", "2", "--context-lengths", "16"])
+    assert [(p.size, p.cfg.n_kv_heads) for p in args.points] == [("small", 2), ("custom", 2)]
+    model = bench_model.build_runner(args.points[1], torch.device("cpu")).model
+    assert model.blocks[0].attn.qkv.weight.shape == (64 + 2 * 2 * 16, 64)
+
+
+class _FrozenClock(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2025, 1, 2, 3, 4, 5)
+
+
+def test_without_out_each_run_writes_a_new_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_model, "datetime", _FrozenClock)  # two runs in the same second
+    for _ in range(2):
+        bench_model.main([*TINY, "--context-lengths", "16", "--mode", "forward", "--attn", "naive"])
+    runs = sorted(p.name for p in (tmp_path / "runs" / "bench_model").iterdir())
+    assert runs == ["20250102-030405", "20250102-030405-2"]
+    assert all((tmp_path / "runs" / "bench_model" / name / "results.csv").exists() for name in runs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -216,10 +282,12 @@ def test_cuda_graph_both_gives_a_graphed_row_beside_the_plain_one(tmp_path):
     # Counted from the capture: the graph's pool holds the step's activations (a reset after it would miss them).
     assert rows[1]["peak_mem_gib"] >= 0.9 * rows[0]["peak_mem_gib"]
 
+
 @pytest.mark.parametrize("extra,message", [
     (["--sizes", "huge"], "unknown size 'huge'; valid: "),
     (["--attn", "fastest"], "unknown attention backend 'fastest'; valid: naive"),
     (["--n-heads", "5"], "d_model (64) must be divisible by n_heads (5)"),
+    (["--n-kv-heads", "3"], "n_kv_heads must divide n_heads (4), got 3"),
     (["--dtype", "fp16"], "unknown dtype 'fp16'; valid: fp32, bf16"),
     (["--mode", "backward"], "unknown mode 'backward'; valid: forward, forward-backward, train-step"),
     (["--context-lengths", "128,abc"], "'abc' is not an integer"),
@@ -227,16 +295,23 @@ def test_cuda_graph_both_gives_a_graphed_row_beside_the_plain_one(tmp_path):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--cuda-graph", "--mode", "forward"], "--cuda-graph captures the whole train step: use --mode train-step"),
     (["--cuda-graph", "--mode", "train-step", "--warmup", "2"], "--cuda-graph needs --warmup >= 3"),
-    (["--cuda-graph", "--mode", "train-step", "--warmup", "3"], "--cuda-graph needs a CUDA device, got --device cpu"),
-    (["--overlap-optimizer", "--mode", "forward"], "--overlap-optimizer steps the optimizer inside the backward"),
-    (["--optim-state-dtype", "bf16", "--mode", "forward"], "--optim-state-dtype is the train step's optimizer"),
-    (["--optim-state-dtype", "fp16", "--mode", "train-step"], "unknown optimizer state dtype 'fp16'"),
+    (["--cuda-graph", "--mode", "train-step", "--warmup", "3"], "--cuda-graph: CUDA graphs need a GPU"),
+    (["--fp8", "tensorwise", "--dtype", "fp32"], "--fp8 tensorwise trains under bf16 autocast: add --dtype bf16 "
+                                                 "(got fp32)"),
+    (["--fp8", "tensorwise", "--dtype", "bf16", "--d-model", "72", "--n-heads", "4"],
+     "--fp8 tensorwise needs a --d-model that is a multiple of 16"),
+    (["--optimizer", "adamw-bf16", "--mode", "forward"], "--optimizer is the train step's: use --mode train-step"),
+    (["--optimizer", "sgd", "--mode", "train-step"], "unknown optimizer 'sgd'; valid: adamw, adamw-bf16"),
+    pytest.param(["--device", "cuda"], "no CUDA GPU is visible; use --device cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")),
 ])
-def test_bad_arguments_exit_with_a_message(extra, message, capsys):
+def test_bad_arguments_exit_with_one_line_naming_the_problem(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_model.parse_args([*TINY, *extra])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err
 
 
 def test_unknown_size_lists_the_presets(capsys):

@@ -11,19 +11,20 @@ from benchmarking.decode import cache_bytes_read, copy_bandwidth, time_decode, t
 from model import ModelConfig, TransformerLM
 from model.generation import Sampling, generate
 
-CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=100, context_length=64, attn="sdpa")
+CFG = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=100, context_length=64)
 
 
-def model() -> TransformerLM:
+def model(cfg: ModelConfig = CFG) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(CFG).eval()
+    return TransformerLM(cfg, "sdpa").eval()
 
 
-def test_the_hf_peer_has_our_weights():
+@pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_the_hf_peer_has_our_weights(n_kv_heads):
     pytest.importorskip("transformers")
     from benchmarking.hf_llama import llama_from
 
-    ours = model()
+    ours = model(dataclasses.replace(CFG, n_kv_heads=n_kv_heads))
     ids = torch.randint(0, 100, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(llama_from(ours)(ids), ours(ids), atol=1e-4, rtol=1e-4)
@@ -57,8 +58,7 @@ def test_bench_model_prefill_and_decode_modes(tmp_path):
 
     rows = bench_model.main(["--sizes", "custom", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff",
                              "128", "--context-lengths", "32", "--mode", "prefill,decode", "--batch-size", "2",
-                             "--steps", "5", "--warmup", "1", "--device", "cpu", "--out", str(tmp_path),
-                             "--no-progress"])
+                             "--steps", "5", "--warmup", "1", "--device", "cpu", "--out", str(tmp_path)])
     prefill, decode = rows
     assert prefill["status"] == decode["status"] == "ok", rows
     assert prefill["tokens_per_s"] == pytest.approx(2 * 32 / (prefill["total_ms_mean"] * 1e-3))

@@ -13,9 +13,9 @@ from model import ModelConfig, TransformerLM, config_for
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256, context_length=32)
 
 
-@pytest.mark.parametrize("size", ["small", "large", "2.7B"])
-def test_parameter_count_matches_our_preset(size):
-    cfg = config_for(size)
+@pytest.mark.parametrize("size, n_kv_heads", [("small", None), ("large", None), ("2.7B", None), ("large", 4)])
+def test_parameter_count_matches_our_preset(size, n_kv_heads):
+    cfg = config_for(size, n_kv_heads=n_kv_heads)
     with torch.device("meta"):  # no memory: only the shapes are compared
         ours, peer = TransformerLM(cfg), HFLlama(cfg)
     assert peer.num_params() == ours.num_params()
@@ -42,7 +42,7 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
 def test_bench_model_times_ours_and_the_peer_in_one_run(tmp_path):
     rows = bench_model.main(["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128",
                              "--vocab-size", "256", "--batch-size", "2", "--warmup", "1", "--steps", "2",
-                             "--device", "cpu", "--no-progress", "--context-lengths", "16", "--attn", "naive,sdpa",
+                             "--device", "cpu", "--context-lengths", "16", "--attn", "naive,sdpa",
                              "--impl", "ours,hf", "--mode", "train-step", "--out", str(tmp_path)])
     assert [(r["impl"], r["attn"]) for r in rows] == [("ours", "naive"), ("ours", "sdpa"), ("hf", "sdpa")]
     assert all(r["status"] == "ok" and r["total_ms_mean"] > 0 for r in rows)

@@ -61,7 +61,7 @@ def test_bench_model_keeps_rows_when_terminated(tmp_path):
     code = _stop_after_first_rows(["bench_model.py", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
                                    "--d-ff", "64", "--vocab-size", "64", "--context-lengths", contexts,
                                    "--batch-size", "2", "--warmup", "1", "--steps", "3", "--device", "cpu",
-                                   "--no-progress", "--out", str(out)], out)
+                                   "--out", str(out)], out)
     assert code == 130
     rows = _rows(out / "results.csv")
     assert 1 <= len(rows) < 30

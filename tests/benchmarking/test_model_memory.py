@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from benchmarking.model_memory import (
     MODES,
@@ -14,6 +13,7 @@ from benchmarking.model_memory import (
     param_count,
 )
 from model import PRESETS, ModelConfig, TransformerLM, config_for
+from model.layers import Linear
 
 TINY = dict(d_model=64, n_layers=2, n_heads=4, d_ff=128, vocab_size=256, context_length=64)
 
@@ -26,23 +26,26 @@ def test_param_count_matches_num_params_for_every_preset(size):
     assert param_count(cfg) == model.num_params()
 
 
-@pytest.mark.parametrize("dims", [(64, 2, 4, 128, 256), (96, 3, 6, 80, 1000), (32, 1, 2, 64, 10)])
+@pytest.mark.parametrize("dims", [(64, 2, 4, 128, 256, None), (96, 3, 6, 80, 1000, None), (32, 1, 2, 64, 10, None),
+                                  (64, 2, 4, 128, 256, 2), (96, 3, 6, 80, 1000, 1)])
 def test_param_count_matches_num_params_for_custom_dims(dims):
-    d, n_layers, h, f, v = dims
-    cfg = ModelConfig(d_model=d, n_layers=n_layers, n_heads=h, d_ff=f, vocab_size=v)
-    assert param_count(cfg) == TransformerLM(cfg).num_params()
-
-
-def _measured_saved(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> int:
-    torch.manual_seed(seq)
+    d, n_layers, h, f, v, kv = dims
+    cfg = ModelConfig(d_model=d, n_layers=n_layers, n_heads=h, d_ff=f, vocab_size=v, n_kv_heads=kv)
     model = TransformerLM(cfg)
+    assert param_count(cfg) == model.num_params()
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    assert matmul_weight_count(cfg) == linears
+
+
+def _measured_saved(cfg: ModelConfig, attn: str, batch: int, seq: int, dtype: str) -> int:
+    torch.manual_seed(seq)
+    model = TransformerLM(cfg, attn)
     ids = torch.randint(cfg.vocab_size, (batch, seq))
     targets = torch.randint(cfg.vocab_size, (batch, seq))
 
-    def loss():  # the bench_model.py loss: model under autocast, cross-entropy in fp32
+    def loss():  # the bench_model.py loss (training.step): the model's own loss under autocast
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            logits = model(ids)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return model(ids, targets)
 
     return measure_saved_bytes(loss, exclude=list(model.parameters()))
 
@@ -50,25 +53,33 @@ def _measured_saved(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> int:
 @pytest.mark.parametrize("attn", ["naive", "sdpa"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("batch,seq", [(2, 16), (3, 40)])
-@pytest.mark.parametrize("fused_gate_up", [True, False])
-def test_saved_activations_match_what_autograd_saves(attn, dtype, batch, seq, fused_gate_up):
-    cfg = ModelConfig(**{**TINY, "attn": attn, "fused_gate_up": fused_gate_up})
-    measured = _measured_saved(cfg, batch, seq, dtype)
-    mb = explain_memory(cfg, batch, seq, dtype, "forward-backward", device_type="cpu")
+@pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_saved_activations_match_what_autograd_saves(attn, dtype, batch, seq, n_kv_heads):
+    cfg = ModelConfig(**TINY, n_kv_heads=n_kv_heads)
+    measured = _measured_saved(cfg, attn, batch, seq, dtype)
+    mb = explain_memory(cfg, batch, seq, dtype, "forward-backward", device_type="cpu", attn=attn)
     weight_copies = 2 * matmul_weight_count(cfg) if dtype == "bf16" else 0  # saved by each Linear too
     expected = mb.saved_bytes + weight_copies
     assert measured == pytest.approx(expected, rel=0.02), format_breakdown(mb, [("measured", measured)])
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_residual_stream_is_named_in_autocasts_dtype_and_saved_as_rmsnorms_fp32_upcast(dtype):
+    terms = {t.name: t.nbytes for t in layer_activations(ModelConfig(**TINY), 2, 16, dtype, device_type="cpu").terms}
+    upcast = "; its RMSNorm saves it upcast to fp32" if dtype == "bf16" else ""
+    assert terms[f"block input x (residual stream, {dtype}; attn RMSNorm input{upcast})"] == 2 * 16 * 64 * 4
+    assert terms[f"residual after attention ({dtype}; FFN RMSNorm input{upcast})"] == 2 * 16 * 64 * 4
+
+
 def test_naive_scores_grow_with_context_squared_and_fused_do_not():
-    cfg = ModelConfig(**{**TINY, "attn": "naive"})
-    quad = {t.name: t.nbytes for t in layer_activations(cfg, 2, 512, "fp32").terms}
+    cfg = ModelConfig(**TINY)
+    quad = {t.name: t.nbytes for t in layer_activations(cfg, 2, 512, "fp32", attn="naive").terms}
     assert quad["attention probs (softmax output)"] == 2 * 4 * 512 * 512 * 4  # B * h * T^2 * 4 bytes
-    double = {t.name: t.nbytes for t in layer_activations(cfg, 2, 1024, "fp32").terms}
+    double = {t.name: t.nbytes for t in layer_activations(cfg, 2, 1024, "fp32", attn="naive").terms}
     assert double["attention probs (softmax output)"] == 4 * quad["attention probs (softmax output)"]
-    fused = layer_activations(ModelConfig(**{**TINY, "attn": "sdpa"}), 2, 512, "fp32")
+    fused = layer_activations(cfg, 2, 512, "fp32", attn="sdpa")
     assert not any("probs" in t.name for t in fused.terms)
-    cuda_bf16 = {t.name for t in layer_activations(cfg, 2, 512, "bf16", device_type="cuda").terms}
+    cuda_bf16 = {t.name for t in layer_activations(cfg, 2, 512, "bf16", device_type="cuda", attn="naive").terms}
     assert "attention probs, bf16 copy for probs @ v" in cuda_bf16  # CUDA autocast softmax is fp32
 
 
@@ -81,7 +92,7 @@ def test_state_terms_follow_the_mode():
     assert "AdamW exp_avg and exp_avg_sq (fp32)" not in state["forward-backward"]
     assert state["train-step"]["AdamW exp_avg and exp_avg_sq (fp32)"] == 8 * p
     bf16_state = {t.name: t.nbytes for t in explain_memory(cfg, 2, 32, "bf16", "train-step",
-                                                           optim_state_dtype="bf16").state[0].terms}
+                                                           optimizer="adamw-bf16").state[0].terms}
     assert bf16_state["AdamW exp_avg and exp_avg_sq (bf16)"] == 4 * p
     fwd = explain_memory(cfg, 2, 32, "fp32", "forward")
     assert fwd.saved_bytes == 0 and fwd.expected_peak_bytes > 4 * p
@@ -95,7 +106,7 @@ def test_logits_term_is_batch_context_vocab_times_four():
 
 
 def test_format_lists_terms_and_measured_figures():
-    mb = explain_memory(ModelConfig(**{**TINY, "attn": "naive"}), 2, 32, "fp32", "train-step")
+    mb = explain_memory(ModelConfig(**TINY), 2, 32, "fp32", "train-step", attn="naive")
     text = format_breakdown(mb, [("measured peak", 3 * 1024**2), ("measured elsewhere", None)])
     for needle in ("parameters (fp32 master weights)", "attention probs", "x 2 layers", "expected peak",
                    "measured peak", "3.00 MiB", "n/a"):

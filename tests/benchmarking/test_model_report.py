@@ -24,3 +24,11 @@ def test_rows_group_by_everything_but_size_and_context():
     assert variant(peer) == "hf-llama bf16 compile=on train-step"
     groups = variants([ROW, {**ROW, "context_length": 64}, peer])
     assert [len(g) for g in groups.values()] == [2, 1]
+
+
+def test_a_variant_names_its_optimizer_unless_adamw_and_its_float8_recipe():
+    assert variant({**ROW, "optimizer": "adamw"}) == "flash bf16 compile=on train-step opt-overlap"
+    assert variant({**ROW, "optimizer": "adamw-bf16", "fp8": "rowwise"}) == \
+        "flash bf16 compile=on train-step opt-overlap fp8=rowwise adamw-bf16"
+    groups = variants([ROW, {**ROW, "optimizer": "adamw-bf16"}])
+    assert [len(g) for g in groups.values()] == [1, 1]

@@ -23,21 +23,20 @@ RESIDUAL = {"output of blocks.0.attn_norm", "output of blocks.0.ffn_norm", "outp
 
 
 @pytest.mark.parametrize("precision, low", [("fp32", "float32"), ("bf16", "bfloat16")])
-@pytest.mark.parametrize("fp32_weight_grads, fp32_residual", [(True, True), (False, True), (True, False)],
-                         ids=["defaults", "dW-autocast", "residual-autocast"])
-def test_dtypes_match_the_tensors_of_a_training_step(precision, low, fp32_weight_grads, fp32_residual):
+def test_dtypes_match_the_tensors_of_a_training_step(precision, low):
     torch.manual_seed(0)
-    model = TransformerLM(ModelConfig(**CFG, fp32_weight_grads=fp32_weight_grads, fp32_residual=fp32_residual))
+    model = TransformerLM(ModelConfig(**CFG))
     rows = dtype_rows(model, precision, "cpu")
     dtypes = table(rows)
-    # Matmuls in autocast's dtype; the residual stream and its norms in fp32 unless --residual autocast; the rest
-    # (embedding lookup, parameters, loss, gradients) fp32.
-    in_low = LOW | (set() if fp32_residual else RESIDUAL)
+    # Matmuls, the residual stream and its norms in autocast's dtype; the rest (embedding lookup, parameters, loss,
+    # gradients) fp32.
     for name, dtype in dtypes.items():
-        want = low if name in in_low else "float32"
+        want = low if name in LOW | RESIDUAL else "float32"
         assert dtype == want, (name, dtype)
     why = {r["tensor"]: r["why"] for r in rows}["output of blocks.0"]
-    assert ("--residual autocast" in why) == (precision == "bf16" and not fp32_residual)
+    assert "the residual stream: autocast's dtype" in why
+    seen = []
+    model.blocks[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     # Against the tensors themselves, outside the report.
     ids = torch.randint(0, 97, (2, 9))
     with autocast(torch.device("cpu"), precision):
@@ -45,12 +44,12 @@ def test_dtypes_match_the_tensors_of_a_training_step(precision, low, fp32_weight
         loss = model(ids[:, :-1], ids[:, 1:])
     loss.backward()
     assert dtypes["output of lm_head"] == str(logits.dtype).removeprefix("torch.")
+    assert dtypes["output of blocks.0"] == str(seen[0]).removeprefix("torch.")
     assert dtypes["loss"] == str(loss.dtype).removeprefix("torch.")
     grad = model.blocks[0].attn.qkv.weight.grad
     assert dtypes["gradient of blocks.0.attn.qkv.weight"] == str(grad.dtype).removeprefix("torch.")
     why = {r["tensor"]: r["why"] for r in rows}["gradient of blocks.0.attn.qkv.weight"]
-    if precision == "bf16":
-        assert ("written in fp32 by its own matmul" in why) == fp32_weight_grads
+    assert ("written in fp32 by its own matmul" in why) == (precision == "bf16")
 
 
 def test_the_report_leaves_no_gradients_behind():

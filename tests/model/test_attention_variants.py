@@ -17,7 +17,7 @@ TOLERANCE = 1e-5 if DEVICE == "cpu" else 2e-3
 
 def tiny(**overrides) -> ModelConfig:
     return ModelConfig(**{"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "vocab_size": 97,
-                          "context_length": 24, "attn": "naive", **overrides})
+                          "context_length": 24, **overrides})
 
 
 def test_gqa_projects_k_and_v_to_fewer_heads_and_counts_them():
@@ -55,7 +55,7 @@ def test_windows_count_only_the_scores_they_compute():
 def test_packed_documents_match_each_document_alone(attn):
     """A row of packed documents gives each document the logits it gets alone (positions restart, no leaks)."""
     torch.manual_seed(0)
-    model = TransformerLM(tiny(attn=attn, **VARIANTS)).to(DEVICE)
+    model = TransformerLM(tiny(**VARIANTS), attn).to(DEVICE)
     ids = torch.randint(0, 97, (1, 24), device=DEVICE)
     doc_ids = torch.tensor([[0] * 7 + [1] * 12 + [2] * 5], device=DEVICE)
     with torch.no_grad():
@@ -71,7 +71,7 @@ def test_variants_train_under_naive_flash_torch_and_flash():
     losses = {}
     for attn in ("naive", "flash-torch", "flash"):
         torch.manual_seed(1)
-        model = TransformerLM(tiny(attn=attn, **VARIANTS)).to(DEVICE)
+        model = TransformerLM(tiny(**VARIANTS), attn).to(DEVICE)
         loss = model(ids, ids, doc_ids=doc_ids)
         loss.backward()
         losses[attn] = loss.item()

@@ -8,6 +8,7 @@ import torch
 from model import fused_rope
 from model.config import ModelConfig
 from model.layers import RotaryEmbedding
+from model import transformer
 from model.transformer import TransformerLM
 
 CUDA = torch.cuda.is_available()
@@ -128,21 +129,26 @@ def test_the_compiled_op_takes_new_batch_and_sequence_sizes():
 
 @needs_cuda
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_model_trains_the_same_with_either_rope(packed):
+def test_a_model_trains_the_same_with_the_kernels_as_with_pytorch_ops(packed, monkeypatch):
     torch.manual_seed(0)
-    cfg = dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=97, context_length=64,
-               attn="flash")
-    fused = TransformerLM(ModelConfig(**cfg)).cuda()
-    plain = TransformerLM(ModelConfig(**cfg, fused_rope=False)).cuda()
+    cfg = ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=97, context_length=64)
+    fused = TransformerLM(cfg, "flash").cuda()
+    plain = TransformerLM(cfg, "flash").cuda()
     plain.load_state_dict(fused.state_dict())
     ids = torch.randint(0, 97, (3, 64), device="cuda")
     doc_ids = torch.cumsum(torch.rand(3, 64, device="cuda") < 0.1, dim=-1) if packed else None
+    calls = []
+    kernel = fused_rope._split_rotate_op
+    monkeypatch.setattr(fused_rope, "_split_rotate_op", lambda *a: (calls.append(1), kernel(*a))[1])
     losses = []
     for model in (fused, plain):
+        if model is plain:  # the attention layers' split_rotate, in PyTorch ops
+            monkeypatch.setattr(transformer, "split_rotate", fused_rope.split_rotate_reference)
         with torch.autocast("cuda", torch.bfloat16):
             loss = model(ids, ids, doc_ids=doc_ids)
         loss.backward()
         losses.append(loss)
+    assert len(calls) == cfg.n_layers  # the first model ran the kernels, the second did not
     torch.testing.assert_close(losses[0], losses[1])
     for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -17,8 +17,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def tiny(attn: str = "naive", device: str = "cpu", **kw) -> TransformerLM:
     torch.manual_seed(0)
     cfg = ModelConfig(**{"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "vocab_size": 50,
-                         "context_length": 64, "attn": attn, **kw})
-    return TransformerLM(cfg).eval().to(device)
+                         "context_length": 64, **kw})
+    return TransformerLM(cfg, attn).eval().to(device)
 
 
 def decode_available(attn: str) -> None:
@@ -125,7 +125,7 @@ def test_a_trained_model_writes_its_string_back():
     data = torch.tensor(list(text * 40))
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=256, vocab_size=256,
-                                      context_length=64, attn="sdpa"))
+                                      context_length=64), "sdpa")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     for _ in range(150):
@@ -157,9 +157,8 @@ def test_a_compiled_step_costs_the_same_whatever_the_cache_can_hold():
     step.)"""
     decode_available("flash")
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=512, n_layers=2, n_heads=8, d_ff=1024, vocab_size=50, context_length=32768,
-                      attn="flash")
-    model = TransformerLM(cfg).eval().to("cuda", torch.bfloat16)
+    cfg = ModelConfig(d_model=512, n_layers=2, n_heads=8, d_ff=1024, vocab_size=50, context_length=32768)
+    model = TransformerLM(cfg, "flash").eval().to("cuda", torch.bfloat16)
     ids = torch.randint(0, 50, (8, 16), device="cuda")
 
     def step_ms(max_len: int) -> float:

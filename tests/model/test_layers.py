@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from tests.conftest import DEVICE
@@ -95,15 +96,24 @@ def test_linear_init_is_truncated_normal_with_fan_std():
     assert w.abs().max().item() <= 3 * std + 1e-6
 
 
-def _linear_pair(d_in: int, d_out: int) -> tuple[Linear, Linear]:
-    """The same weights twice: fp32 weight gradients, and plain autocast (F.linear)."""
-    ours, plain = Linear(d_in, d_out).to(DEVICE), Linear(d_in, d_out, fp32_weight_grad=False).to(DEVICE)
-    with torch.no_grad():
-        plain.weight.copy_(ours.weight)
-    return ours, plain
+class AutocastLinear(torch.nn.Module):
+    """The reference: plain autocast (F.linear), whose weight gradient comes out in the low dtype and is cast to fp32."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
-def _forward_backward(lin: Linear, x: torch.Tensor, dy: torch.Tensor, autocast_dtype, compiled: bool = False):
+def _linear_pair(d_in: int, d_out: int) -> tuple[Linear, AutocastLinear]:
+    """The same weights twice: ours (fp32 weight gradients), and plain autocast (F.linear)."""
+    ours = Linear(d_in, d_out).to(DEVICE)
+    return ours, AutocastLinear(ours.weight)
+
+
+def _forward_backward(lin: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, autocast_dtype, compiled: bool = False):
     x = x.detach().clone().requires_grad_()
     lin.weight.grad = None
     fn = torch.compile(lin, dynamic=False) if compiled else lin
@@ -182,8 +192,12 @@ def test_loading_a_state_dict_refreshes_the_weight_copy():
 
 
 def test_a_weight_copy_needs_the_fp32_weight_gradient_path():
-    with pytest.raises(ValueError, match="fp32_weight_grad=False"):
-        Linear(16, 8, fp32_weight_grad=False).keep_weight_copy(torch.bfloat16)
+    # Only an fp32 weight goes through the fp32-weight-gradient path that reads the copy.
+    with pytest.raises(ValueError, match="read by the fp32-weight-gradient path only: this layer has a "
+                                         "torch.bfloat16 weight"):
+        Linear(16, 8).to(torch.bfloat16).keep_weight_copy(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"a weight copy of \(8, 16\) in torch.bfloat16 cannot live in a \(16, 8\)"):
+        Linear(16, 8).keep_weight_copy(torch.bfloat16, storage=torch.empty(16, 8, dtype=torch.bfloat16))
 
 
 def test_embedding_init_cut_at_three():

@@ -32,8 +32,10 @@ def test_attention_backend_is_chosen_by_name(attn):
     # 16 on an AMD EPYC CPU, and was right at seq 8, 32, 48, 64, 65 and 100: a PyTorch bug, not the registry's.
     shape = {**TINY, "context_length": 32}
     torch.manual_seed(0)
-    ref = TransformerLM(ModelConfig(**shape, attn="sdpa"))
-    other = TransformerLM(ModelConfig(**shape, attn=attn))
+    ref = TransformerLM(ModelConfig(**shape), "sdpa")
+    other = TransformerLM(ModelConfig(**shape), attn)
+    assert (ref.attn, other.attn) == ("sdpa", attn)
+    assert all(block.attn.attn_name == attn for block in other.blocks)
     other.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 97, (2, 32))
     with torch.no_grad():
@@ -46,7 +48,7 @@ def test_attention_saves_no_view_of_the_qkv_projection_and_merges_heads_in_place
     from tests.conftest import DEVICE
 
     torch.manual_seed(0)
-    attention = TransformerLM(ModelConfig(**TINY, attn=attn)).to(DEVICE).blocks[0].attn
+    attention = TransformerLM(ModelConfig(**TINY), attn).to(DEVICE).blocks[0].attn
     seen = {}
     # The hook holds the qkv output itself, so its address cannot be reused by a later tensor while we compare.
     attention.qkv.register_forward_hook(
@@ -79,29 +81,39 @@ def test_targets_give_the_mean_cross_entropy_of_the_logits():
         assert model(ids, targets).dtype == torch.float32
 
 
+def fp32_residual_loss(model: TransformerLM, ids, targets, doc_ids=None) -> torch.Tensor:
+    """The model's loss with the residual stream kept in fp32 (autocast's own behaviour: the sublayers' low-precision
+    outputs are added to fp32): the reference that the residual stream in autocast's dtype is measured against."""
+    x = model.embed(ids)
+    angles = model.document_rope_angles(doc_ids) if doc_ids is not None else None
+    for block in model.blocks:
+        x = x + block.attn(block.attn_norm(x), None, doc_ids, angles)
+        x = x + block.ffn(block.ffn_norm(x))
+    return model.loss_from_hidden(x, targets)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents"])
 def test_residual_in_the_autocast_dtype_rounds_only_the_residual_stream(packed):
-    """--residual autocast: the blocks take and return bf16 under bf16 autocast, and the loss and gradients stay
-    those of the fp32 residual up to bf16 rounding; without autocast it changes nothing, bit for bit."""
+    """Under bf16 autocast the blocks take and return bf16, and the loss and gradients stay those of an fp32
+    residual stream up to bf16 rounding; without autocast the residual stream is fp32, bit for bit."""
     torch.manual_seed(0)
-    fp32_model = TransformerLM(ModelConfig(**TINY))
-    low_model = TransformerLM(ModelConfig(**TINY, fp32_residual=False))
-    low_model.load_state_dict(fp32_model.state_dict())
+    model = TransformerLM(ModelConfig(**TINY))
     ids, targets = torch.randint(0, 97, (3, 24)), torch.randint(0, 97, (3, 24))
     doc_ids = torch.randint(0, 3, (3, 24)).sort(dim=-1).values if packed else None
-    torch.testing.assert_close(low_model(ids, targets, doc_ids=doc_ids), fp32_model(ids, targets, doc_ids=doc_ids),
+    torch.testing.assert_close(model(ids, targets, doc_ids=doc_ids), fp32_residual_loss(model, ids, targets, doc_ids),
                                rtol=0, atol=0)
 
     seen = []
-    low_model.blocks[1].register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    model.blocks[1].register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
     losses, grads = [], []
-    for model in (fp32_model, low_model):
+    for loss_of in (fp32_residual_loss, TransformerLM.__call__):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(ids, targets, doc_ids=doc_ids)
+            loss = loss_of(model, ids, targets, doc_ids=doc_ids)
         loss.backward()
         losses.append(loss)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert seen == [(torch.bfloat16, torch.bfloat16)]
+        model.zero_grad(set_to_none=True)
+    assert seen == [(torch.bfloat16, torch.bfloat16)]  # the model's own forward (the reference calls no block)
     assert losses[1].dtype == torch.float32
     # The two differ by the rounding of the residual stream to bf16 (8 mantissa bits), not by more.
     assert not torch.equal(losses[0], losses[1])
@@ -126,9 +138,9 @@ def test_small_preset_has_the_reference_parameter_count():
 
 def test_presets_and_overrides():
     assert {"small", "medium", "large", "xl", "2.7B", "10B"} <= set(PRESETS)
-    cfg = config_for("large", attn="naive", vocab_size=256)
-    assert (cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.attn, cfg.vocab_size) == (1280, 5120, 36, 20,
-                                                                                             "naive", 256)
+    cfg = config_for("large", vocab_size=256, n_kv_heads=None)
+    assert (cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.kv_heads) == (1280, 5120, 36, 20,
+                                                                                                 256, 20)
     with pytest.raises(ValueError, match="unknown size 'huge'"):
         config_for("huge")
 
