@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fp8", nargs="+", default=["off"], help="off (default), tensorwise, rowwise (training/fp8.py)")
     m.add_argument("--optimizer", nargs="+", default=["adamw"],
                    help=f"ours, train-step: {', '.join(optimizer_names())} (default adamw)")
+    m.add_argument("--grad-clip", type=float, default=0.0,
+                   help="train-step: clip the gradient norm (default 0: not clipped, the optimizer then steps during "
+                        "the backward where it can; 1.0 is train.py's default step)")
     m.add_argument("--mode", nargs="+", default=["forward-backward"], help=f"{', '.join(MODES)} (default "
                                                                            "forward-backward)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -166,9 +169,9 @@ class Point:
 
     @property
     def overlapped(self) -> bool:
-        """The optimizer steps during the backward (a train-step, ours or the peer's, in one process: never clipped
-        here), as build_step builds it."""
-        return self.mode == "train-step" and overlaps_backward(self.config)
+        """Our optimizer steps during the backward (a train-step in one process, not clipped); the peer keeps the
+        plain step a user of it would run."""
+        return self.impl == "ours" and self.mode == "train-step" and overlaps_backward(self.config)
 
     @property
     def slug(self) -> str:
@@ -305,12 +308,12 @@ def new_out_dir(root: Path) -> Path:
 def point_config(args: argparse.Namespace, model: ModelConfig, attn: str, dtype: str, compile_: bool, graph: bool,
                  fp8_recipe: str, optimizer: str, mode: str) -> Config:
     """A row's training configuration: train.py's, resolved by the same function; the batch is per GPU. A train-step
-    is timed without clipping (the optimizer then overlaps the backward wherever it can); the other modes never step
-    the optimizer, and keep train.py's clipping so that it does not step inside their backward either."""
+    clips as --grad-clip says (by default not: the optimizer then overlaps the backward wherever it can); the other
+    modes never step the optimizer, and keep train.py's clipping so that it does not step inside their backward."""
     config = Config(model=model).replace(
         execution={"attn": attn, "dtype": dtype, "compile": compile_, "cuda_graph": graph, "fp8": fp8_recipe,
                    "parallel": args.parallel, "device": str(args.device)},
-        optim={"optimizer": optimizer, **({"grad_clip": 0.0} if mode == "train-step" else {})},
+        optim={"optimizer": optimizer, **({"grad_clip": args.grad_clip} if mode == "train-step" else {})},
         data={"batch_size": args.batch_size * args.world_size})
     # Every rule but the backend's: a backend that cannot run a point gets an unsupported row when the point runs (the
     # sweep goes on), so the rules are checked with naive, which runs everything, in its place.
@@ -413,7 +416,7 @@ def build_runner(point: Point, device: torch.device, ctx: Optional[DistContext] 
         model = HFLlama(point.cfg) if point.impl == "hf" else TransformerLM(point.cfg, point.attn)
     if point.config.execution.compile:
         torch._dynamo.reset()  # fresh caches: no recompile limit or automatic-dynamic shapes across points
-    return Runner(point, build_step(model, point.config, ctx, grad_norm=False))
+    return Runner(point, build_step(model, point.config, ctx, grad_norm=False, overlap=point.overlapped))
 
 
 def random_batch(point: Point, device: torch.device, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,14 +88,15 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         d = dict(r)
         d["params_m"] = r["params"] / 1e6
         for phase in PHASES:
-            d[phase] = _mean_std(r, phase)
+            d[f"{phase}_ms"] = _mean_std(r, phase)
         d["mfu_pct"] = None if r.get("mfu") is None else 100 * r["mfu"]
         d["status"] = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('message') or ''}"
         shown.append(d)
     columns = {"size": "size", "params_m": "params (M)", "context_length": "T", "impl": "impl", "attn": "attn",
                "dtype": "dtype", "compile": "compile", "mode": "mode", "cuda_graph": "CUDA graph",
-               "overlap_optimizer": "opt overlap", "fp8": "fp8", "optimizer": "optimizer", "forward": "forward ms", "backward": "backward ms",
-               "optimizer": "optimizer ms", "total": "total ms", "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
+               "overlap_optimizer": "opt overlap", "fp8": "fp8", "optimizer": "optimizer", "forward_ms": "forward ms",
+               "backward_ms": "backward ms", "optimizer_ms": "optimizer ms", "total_ms": "total ms",
+               "tokens_per_s": "tokens/s", "mfu_pct": "MFU %",
                "peak_mem_gib": "peak GiB", "status": "status"}
     blocks = [
         f"`{args.command}`",

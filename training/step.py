@@ -174,12 +174,13 @@ class TrainingStep:
 
 
 def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = None, grad_norm: bool = True,
-               graph_warmup: int = GRAPH_WARMUP) -> TrainingStep:
+               graph_warmup: int = GRAPH_WARMUP, overlap: Optional[bool] = None) -> TrainingStep:
     """The step for `model` (on its device, the same initial weights on every rank), in the recipe's order.
 
     `config` is resolved (training.config.resolve): every combination it holds can be built. `ctx`: the process's
     place in a DDP/FSDP group (None: one process). A model other than TransformerLM (the Hugging Face peer of
-    bench_model.py) is compiled whole.
+    bench_model.py) is compiled whole. overlap: whether the optimizer steps during the backward (default: where
+    training.config.overlaps_backward allows it; bench_model.py keeps the peer's plain step).
     """
     ctx = ctx or DistContext(device=next(model.parameters()).device)
     ex = config.execution
@@ -195,7 +196,8 @@ def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = No
     step_model = wrap_model(model, ctx, DTYPES[ex.dtype])  # `model` keeps the plain names
     if ex.compile and not regional:
         step_model = torch.compile(step_model, dynamic=False)
-    optimizer = make_optimizer(model, config, ctx.device, copies, overlaps_backward(config, ctx.world_size))
+    overlap = overlaps_backward(config, ctx.world_size) if overlap is None else overlap
+    optimizer = make_optimizer(model, config, ctx.device, copies, overlap)
     step = TrainingStep(model, step_model, optimizer, grad_scaler(ctx.device, ex.dtype), config, ctx.device,
                         grad_norm)
     if ex.cuda_graph:
