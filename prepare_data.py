@@ -17,9 +17,11 @@ from typing import Optional
 
 from training.cli import OneLineParser
 from training.data.corpus import CorpusError, resolve
-from training.data.prepare import Settings, prepare
+from training.data.prepare import Settings, prepare, remove_leftovers
 from training.data.prepared import PreparedDataError
 from training.data.tokenizer import BYTE_VOCAB, KINDS, TokenizerError
+from training.run.directory import RunDirError, RunLock
+from training.run.failures import run_main
 
 DEFAULTS = Settings()
 
@@ -40,23 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-sample-bytes", type=int, default=DEFAULTS.tokenizer_sample_bytes,
                    help="train BPE on at most this many bytes, spread evenly over the training split "
                         "(default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out prepared from another input or settings")
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     vocab = args.vocab_size or (BYTE_VOCAB if args.tokenizer == "bytes" else DEFAULTS.vocab_size)
     settings = Settings(args.tokenizer, vocab, args.separator, args.val_fraction, args.tokenizer_sample_bytes)
-    try:
-        settings.check()
-        corpus = resolve(args.input)
-        suffix = "bytes" if args.tokenizer == "bytes" else f"bpe{vocab}"
-        out = Path(args.out) if args.out else Path("data") / f"{corpus.name}-{suffix}"
+    settings.check()
+    corpus = resolve(args.input)
+    suffix = "bytes" if args.tokenizer == "bytes" else f"bpe{vocab}"
+    out = Path(args.out) if args.out else Path("data") / f"{corpus.name}-{suffix}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One preparation of --out at a time; what a killed one left goes once the lock is held.
+    with RunLock(out, path=out.parent / f".{out.name}.lock"):
+        for leftover in remove_leftovers(out):
+            print(f"{out}: removed {leftover}, left by a preparation that was killed", file=sys.stderr)
+        print(f"preparing {out} from {corpus.description} ({corpus.total_bytes / 1e6:.1f} MB)", flush=True)
         start = time.perf_counter()
-        meta, reused = prepare(corpus, out, settings)
-    except (CorpusError, PreparedDataError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        meta, reused = prepare(corpus, out, settings, args.overwrite)
     seconds = time.perf_counter() - start
     if reused:
         print(f"{out}: already prepared from the same input and settings; reused")
@@ -69,6 +73,11 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{c['documents']:,} documents")
     print(f"train on it: python train.py --data {out}")
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_main(lambda: run(args), (CorpusError, PreparedDataError, TokenizerError, RunDirError))
 
 
 if __name__ == "__main__":

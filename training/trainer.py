@@ -294,7 +294,12 @@ class Trainer:
                        f"first: resume with --resume --out {self.out} once there is room")
 
     def _save(self) -> None:
+        """A checkpoint of this step, if its weights are finite: a checkpoint on disk is always one to go back to."""
         s = self.state
+        bad = nonfinite_parameter(self.model)
+        if distributed.any_rank(bad is not None, self.ctx):
+            raise RunError(f"the weights became non-finite at step {s.step} ({bad or 'on another rank'}); stopping "
+                           f"without a checkpoint of this step. {self._last_good()}")
         s.checkpoint = save_checkpoint(self.out, self.model, self.step_fn.optimizer, self.step_fn.scaler, s.step,
                                        self.config, self.ctx, self.config.run.keep_checkpoints)
         s.checkpoint_step = s.step
@@ -308,6 +313,15 @@ class Trainer:
         if self.config.run.keep_checkpoints == 0:
             return "--keep-checkpoints 0: nothing saved"
         return f"resume with --resume --out {self.out}"
+
+
+def nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
+    """The name of the first parameter (this rank's shard of it under FSDP) holding a NaN or an infinity, or None."""
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(local).all()):
+            return name
+    return None
 
 
 @dataclass

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import tokenizers
@@ -73,24 +74,30 @@ class _SplitWriter:
         self.file = open(self.bin_path, "wb")
         self.dtype, self.eod = dtype, np.array([eod_id], dtype=dtype)
         self.tokens = self.bytes = 0
+        self.crc = 0  # of the bytes written: the checksum meta.json records for load_prepared to verify
         self.doc_starts: list[int] = []
 
     def write(self, ids: np.ndarray, n_bytes: int, starts_document: bool) -> None:
         if starts_document:
             self.doc_starts.append(self.tokens)
-            self.file.write(self.eod.tobytes())
+            self._write(self.eod.tobytes())
             self.tokens += 1
             self.bytes += 1
-        self.file.write(ids.astype(self.dtype, copy=False).tobytes())
+        self._write(ids.astype(self.dtype, copy=False).tobytes())
         self.tokens += len(ids)
         self.bytes += n_bytes
+
+    def _write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.crc = zlib.crc32(data, self.crc)
 
     def close(self) -> dict:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
         np.save(self.docs_path, np.asarray(self.doc_starts, dtype=np.int64))
-        return {"tokens": self.tokens, "bytes": self.bytes, "documents": len(self.doc_starts)}
+        return {"tokens": self.tokens, "bytes": self.bytes, "documents": len(self.doc_starts),
+                "checksum": f"crc32:{self.crc:08x}:{self.tokens}"}
 
 
 def _encode(segments: list[Segment], tokenizer: Tokenizer, settings: Settings, directory: Path,
@@ -121,21 +128,35 @@ def _encode(segments: list[Segment], tokenizer: Tokenizer, settings: Settings, d
     return {s: w.close() for s, w in writers.items()}
 
 
-def prepare(corpus: TextCorpus, out: Path, settings: Settings = Settings()) -> tuple[dict, bool]:
+def check_out(out: Path, key: str, overwrite: bool) -> Optional[dict]:
+    """What `out` holds: the meta of the same preparation (to reuse), None (free, or replaceable with overwrite), or
+    a PreparedDataError naming what is there."""
+    if not out.exists():
+        return None
+    meta = read_meta(out) if out.is_dir() else None
+    if meta is not None and meta.get("key") == key:
+        return meta
+    if meta is None and (not out.is_dir() or any(out.iterdir())):
+        raise PreparedDataError(f"--out {out} exists and is not a prepared data directory (no {META_FILE}); choose "
+                                "another --out")
+    if meta is not None and not overwrite:
+        raise PreparedDataError(f"--out {out} holds data prepared from another input or settings ({meta.get('source')}"
+                                f", {meta.get('tokenizer')} {meta.get('vocab_size')}); pass --overwrite to replace it")
+    return None
+
+
+def prepare(corpus: TextCorpus, out: Path, settings: Settings = Settings(),
+            overwrite: bool = False) -> tuple[dict, bool]:
     """Tokenize `corpus` into the prepared directory `out`; returns (its meta, whether an earlier result was reused).
 
     An existing `out` prepared from the same content with the same settings is reused as it is; one from other
-    content is replaced (atomically); any other existing non-empty directory is left alone and refused.
+    content is replaced (atomically) only with `overwrite`; any other existing non-empty directory is refused.
     """
     settings.check()
     key = content_hash(corpus, settings.key_text())
-    if out.exists():
-        meta = read_meta(out) if out.is_dir() else None
-        if meta is not None and meta.get("key") == key:
-            return meta, True
-        if meta is None and (not out.is_dir() or any(out.iterdir())):
-            raise PreparedDataError(f"--out {out} exists and is not a prepared data directory (no {META_FILE}); "
-                                    "choose another --out")
+    earlier = check_out(out, key, overwrite)
+    if earlier is not None:
+        return earlier, True
     segments = split_segments(corpus, settings.val_fraction)
     total = sum(s.end - s.start for s in segments)
     if total == 0:
@@ -143,38 +164,50 @@ def prepare(corpus: TextCorpus, out: Path, settings: Settings = Settings()) -> t
     if not any(s.split == "val" for s in segments):
         raise PreparedDataError(f"the corpus is too short to hold out {settings.val_fraction:.0%} for validation "
                                 f"(its last line is longer than that): {corpus.description}")
-    train_bytes = sum(s.end - s.start for s in segments if s.split == "train")
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(out)
     tmp.mkdir()
     try:
-        if settings.tokenizer == "bytes":
-            tokenizer: Tokenizer = ByteTokenizer()
-        else:
-            tokenizer = BPETokenizer.train(_tokenizer_texts(segments, settings, train_bytes), settings.vocab_size)
-        tokenizer.save(tmp)
-        splits = _encode(segments, tokenizer, settings, tmp, total)
-        for split, counts in splits.items():
-            if counts["tokens"] == 0:
-                raise PreparedDataError(f"the {split} split of {corpus.description} holds no text")
-        meta = {
-            "format": FORMAT,
-            "key": key,
-            "source": corpus.description,
-            "tokenizer": tokenizer.kind,
-            "tokenizer_fingerprint": tokenizer.fingerprint(),
-            "vocab_size": tokenizer.vocab_size,
-            "eod_id": tokenizer.eod_id,
-            "dtype": token_dtype(tokenizer.vocab_size).name,
-            "settings": settings.__dict__,
-            "splits": splits,
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        meta = _write(corpus, segments, settings, key, tmp, total)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta, False
+
+
+def _write(corpus: TextCorpus, segments: list[Segment], settings: Settings, key: str, tmp: Path,
+           total: int) -> dict:
+    """Train the tokenizer, encode every split into `tmp` and write meta.json last; returns the meta."""
+    train_bytes = sum(s.end - s.start for s in segments if s.split == "train")
+    if settings.tokenizer == "bytes":
+        tokenizer: Tokenizer = ByteTokenizer()
+    else:
+        tokenizer = BPETokenizer.train(_tokenizer_texts(segments, settings, train_bytes), settings.vocab_size)
+    tokenizer.save(tmp)
+    splits = _encode(segments, tokenizer, settings, tmp, total)
+    for split, counts in splits.items():
+        if counts["tokens"] == 0:
+            raise PreparedDataError(f"the {split} split of {corpus.description} holds no text")
+    meta = {
+        "format": FORMAT, "key": key, "source": corpus.description, "tokenizer": tokenizer.kind,
+        "tokenizer_fingerprint": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size,
+        "eod_id": tokenizer.eod_id, "dtype": token_dtype(tokenizer.vocab_size).name, "settings": settings.__dict__,
+        "splits": {name: {k: v for k, v in counts.items() if k != "checksum"} for name, counts in splits.items()},
+        "checksums": {name: counts["checksum"] for name, counts in splits.items()},
+    }
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def remove_leftovers(out: Path) -> list[Path]:
+    """Delete the temporary directories that killed preparations of `out` left next to it; returns them. Only
+    with `out`'s lock held: a live preparation's directory would go too."""
+    removed = []
+    for p in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def _replace_dir(new: Path, out: Path) -> None:

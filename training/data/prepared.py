@@ -22,8 +22,8 @@ from typing import Optional
 
 import numpy as np
 
-from training.data.source import DataError, DataSource
-from training.data.tokenizer import Tokenizer, load_tokenizer
+from training.data.source import DataError, DataSource, content_crc
+from training.data.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError, load_tokenizer, token_dtype
 
 FORMAT = 1
 META_FILE = "meta.json"
@@ -44,9 +44,12 @@ def read_meta(directory: Path) -> Optional[dict]:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PreparedDataError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise PreparedDataError(f"{path} does not hold an object of settings and counts; prepare the data again")
+    return meta
 
 
 @dataclass(frozen=True)
@@ -82,29 +85,83 @@ def is_prepared(path: Path) -> bool:
     return path.is_dir() and ((path / META_FILE).exists() or (path / "train.bin").exists())
 
 
+_META_SCHEMA = {"format": int, "key": str, "source": str, "tokenizer": str, "tokenizer_fingerprint": str,
+                "vocab_size": int, "eod_id": int, "dtype": str, "splits": dict}
+_SPLIT_SCHEMA = ("tokens", "bytes", "documents")
+
+
+def check_meta(directory: Path, meta: dict) -> None:
+    """meta.json against its schema: every key of the right type, a dtype that holds the vocabulary, both splits."""
+    where = directory / META_FILE
+    if meta.get("format") != FORMAT:
+        raise PreparedDataError(f"{where} has format {meta.get('format')}, this code reads {FORMAT}; prepare the data "
+                                "again")
+    for key, kind in _META_SCHEMA.items():
+        if not isinstance(meta.get(key), kind):
+            raise PreparedDataError(f"{where} lacks {key!r} or it is not a {kind.__name__}; prepare the data again")
+    if meta["dtype"] not in ("uint16", "uint32") or np.dtype(meta["dtype"]) != token_dtype(meta["vocab_size"]):
+        raise PreparedDataError(f"{where} says dtype {meta['dtype']!r}, but a vocabulary of {meta['vocab_size']} is "
+                                f"stored as {token_dtype(meta['vocab_size']).name}; prepare the data again")
+    if not 0 <= meta["eod_id"] < meta["vocab_size"]:
+        raise PreparedDataError(f"{where}: eod_id {meta['eod_id']} is outside the vocabulary of {meta['vocab_size']}")
+    for split in SPLITS:
+        counts = meta["splits"].get(split)
+        if not isinstance(counts, dict) or any(not isinstance(counts.get(k), int) for k in _SPLIT_SCHEMA):
+            raise PreparedDataError(f"{where} lacks the {split} split's {', '.join(_SPLIT_SCHEMA)}; prepare the data "
+                                    "again")
+
+
+def _check_split(directory: Path, meta: dict, split: str, tokens: np.ndarray, doc_starts: np.ndarray) -> None:
+    """A split's files against meta.json: their sizes, and the checksum written with the tokens."""
+    counts = meta["splits"][split]
+    bin_path = split_paths(directory, split)[0]
+    if len(tokens) != counts["tokens"]:
+        raise PreparedDataError(f"{bin_path} holds {bin_path.stat().st_size} bytes, but {META_FILE} says "
+                                f"{counts['tokens']} {meta['dtype']} tokens; prepare it again")
+    if len(doc_starts) != counts["documents"]:
+        raise PreparedDataError(f"{split_paths(directory, split)[1]} lists {len(doc_starts)} documents, "
+                                f"{META_FILE} {counts['documents']}; prepare it again")
+    expected = meta.get("checksums", {}).get(split)
+    if expected is not None and content_crc(tokens) != expected:
+        raise PreparedDataError(f"{bin_path} does not match the checksum written with it (the file is damaged or "
+                                "was replaced); prepare it again")
+
+
+def _check_tokenizer(directory: Path, meta: dict, tokenizer: Tokenizer) -> None:
+    if tokenizer.fingerprint() != meta["tokenizer_fingerprint"] or tokenizer.vocab_size != meta["vocab_size"]:
+        raise PreparedDataError(f"{directory / TOKENIZER_FILE} is not the tokenizer {META_FILE} records (fingerprint "
+                                f"{tokenizer.fingerprint()}, vocabulary {tokenizer.vocab_size}; recorded "
+                                f"{meta['tokenizer_fingerprint']}, {meta['vocab_size']}); prepare the data again")
+
+
 def load_prepared(directory: Path) -> PreparedData:
-    """Open a prepared directory (memory-mapped), checking its files against meta.json."""
+    """Open a prepared directory (memory-mapped), checked against meta.json: its schema, the files' sizes and
+    checksums, and the tokenizer's fingerprint and vocabulary."""
     meta = read_meta(directory)
     if meta is None:
         raise PreparedDataError(f"{directory} holds token files but no {META_FILE} beside them (dtype, vocabulary and "
                                 "tokenizer are unknown); prepare the directory with prepare_data.py")
-    if meta.get("format") != FORMAT:
-        raise PreparedDataError(f"{directory / META_FILE} has format {meta.get('format')}, this code reads {FORMAT}; "
-                                "prepare the data again")
-    dtype = np.dtype(meta["dtype"])
+    check_meta(directory, meta)
     splits = {}
     for split in SPLITS:
         bin_path, docs_path = split_paths(directory, split)
-        counts = meta["splits"][split]
         for p in (bin_path, docs_path):
             if not p.exists():
                 raise PreparedDataError(f"{directory} lacks {p.name}, which {META_FILE} lists; prepare it again")
-        if bin_path.stat().st_size != counts["tokens"] * dtype.itemsize:
-            raise PreparedDataError(f"{bin_path} holds {bin_path.stat().st_size} bytes, but {META_FILE} says "
-                                    f"{counts['tokens']} {dtype.name} tokens; prepare it again")
-        splits[split] = PreparedSplit(np.memmap(bin_path, dtype=dtype, mode="r"), np.load(docs_path),
-                                      int(counts["bytes"]))
-    return PreparedData(directory, meta, splits)
+        if bin_path.stat().st_size % np.dtype(meta["dtype"]).itemsize:
+            raise PreparedDataError(f"{bin_path} holds {bin_path.stat().st_size} bytes, not a whole number of "
+                                    f"{meta['dtype']} tokens; prepare it again")
+        tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
+        doc_starts = np.load(docs_path, allow_pickle=False)
+        _check_split(directory, meta, split, tokens, doc_starts)
+        splits[split] = PreparedSplit(tokens, doc_starts, int(meta["splits"][split]["bytes"]))
+    data = PreparedData(directory, meta, splits)
+    try:
+        tokenizer = data.tokenizer()
+    except TokenizerError as e:
+        raise PreparedDataError(f"{directory}: {e}") from None
+    _check_tokenizer(directory, meta, tokenizer)
+    return data
 
 
 def open_prepared(directory: Path, context_length: int) -> DataSource:

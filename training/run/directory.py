@@ -81,11 +81,13 @@ def _this_process() -> dict:
 
 
 class RunLock:
-    """The lock of one output directory: `acquire()` or raise RunDirError naming the run that holds it."""
+    """The lock of one output directory: `acquire()` or raise RunDirError naming the run that holds it. `path`: the
+    lock file, `<out>/.lock` unless given (prepare_data.py locks a directory it has yet to create by a file beside it).
+    """
 
-    def __init__(self, out: Path, say: Callable[[str], None] = _stderr):
+    def __init__(self, out: Path, say: Callable[[str], None] = _stderr, path: Optional[Path] = None):
         self.out = out
-        self.path = out / LOCK_NAME
+        self.path = path or out / LOCK_NAME
         self._say = say
         self._content: Optional[str] = None
 
@@ -117,7 +119,7 @@ class RunLock:
                     raise RunDirError(f"--out {self.out}: cannot create the lock {self.path}: {e.strerror}") from None
             finally:
                 tmp.unlink(missing_ok=True)
-            fsync_dir(self.out)
+            fsync_dir(self.path.parent)
             self._content = content
             return
         raise RunDirError(f"{self.out}: could not take the lock {self.path}; other processes keep taking it")
@@ -237,8 +239,9 @@ def claim(out: Path, resume: bool, overwrite: bool, say: Callable[[str], None] =
 
 @contextlib.contextmanager
 def owned(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> Iterator[None]:
-    """Rank 0 holds --out's lock for the whole run (`claim`); every rank stops if it cannot take it."""
-    lock, error = None, None
+    """Rank 0 holds --out's lock for the whole run (`claim`); every rank stops if it cannot take it. A directory the
+    claim created is removed again if the run fails before writing anything into it."""
+    lock, error, created = None, None, not out.exists()
     if ctx.is_main:
         try:
             lock = claim(out, resume, overwrite)
@@ -251,6 +254,9 @@ def owned(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> Iterato
     finally:
         if lock is not None:
             lock.release()
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # only if empty: a run that wrote nothing leaves nothing
 
 
 def prepare(out: Path, overwrite: bool, say: Callable[[str], None] = _stderr) -> None:
