@@ -81,8 +81,8 @@ class Trainer:
                             else torch.as_tensor(self.source.token_bytes, device=self.ctx.device))
         if self.ctx.is_main:  # every input checked: now the directory changes
             directory.prepare(self.out, config.run.overwrite, self.warn)
-            record_data(self.source, self.out)
-            write_config(config, self.out)
+            if not config.run.resume:  # a resumed run records them once its checkpoint is accepted (_resume)
+                self._record()
         with self.ctx.device:  # initialised on the device itself: quick for large models, the same on every rank
             self.model = TransformerLM(config.model, config.execution.attn)
         self.step_fn = build_step(self.model, config, self.ctx)
@@ -110,7 +110,13 @@ class Trainer:
             return False
         if self.ctx.is_main:  # rows logged after the checkpoint, by the run that was stopped, go
             cut_after(self.out / METRICS_FILE, resumed.step, self.warn)
+            self._record()
         return True
+
+    def _record(self) -> None:
+        """The run's data (its tokenizer) and resolved configuration, in its directory."""
+        record_data(self.source, self.out)
+        write_config(self.config, self.out)
 
     def describe(self) -> str:
         """What will run, in words: the first lines a run prints."""
