@@ -87,6 +87,7 @@ class Trainer:
             self.model = TransformerLM(config.model, config.execution.attn)
         self.step_fn = build_step(self.model, config, self.ctx)
         self.state = RunState()
+        self.logger: MetricsLogger | NullLogger = NullLogger()  # fit() opens the run's own (none if nothing to do)
 
     # ------------------------------------------------------------------------------------------------ set-up
 
