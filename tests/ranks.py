@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from training.distributed import DistContext
+from training.parallel.distributed import DistContext
 
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "train", "tests.ranks"])
