@@ -206,8 +206,12 @@ def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_
     out = tmp_path / "run"
     assert train.main(["--size", "tiny", "--context-length", "128", "--batch-size", "8", "--steps", "1", "--out",
                        str(out), "--data", str(text_file), "--eval-batches", "1", "--wandb", "disabled"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"training tiny (256 wide, 4 layers) on {text_file} for 1 steps on cpu: fp32 throughout; eager (--compile "
+        f"compiles, which pays on GPUs); no CUDA graph (CUDA graphs need a GPU); writing {out}")
     assert train.main(["--resume", "--out", str(out), "--steps", "2"]) == 0  # the run's config.json, steps aside
     output = capsys.readouterr().out
+    assert output.startswith(f"training tiny (256 wide, 4 layers) on {text_file} for 2 steps on cpu: ")
     assert f"resuming from {out / 'checkpoint-1.pt'} (step 1)" in output
     assert "model: 4.3M parameters, d_model 256, 4 layers, 4 heads, context 128" in output
     assert [r["step"] for r in read_rows(out)] == [1, 2]
@@ -265,6 +269,25 @@ def test_a_bad_flag_is_one_line_without_usage(tmp_path, text_file, capsys, argv)
     assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: "), captured.err
     assert argv[0] in captured.err and argv[-1] in captured.err
     assert not out.exists()
+
+
+def test_help_lists_the_main_flags_and_the_others_are_accepted(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0
+    listed = set(re.findall(r"^  (--[a-z0-9-]+)", capsys.readouterr().out, re.MULTILINE))
+    assert {"--size", "--d-model", "--attn", "--dtype", "--optimizer", "--lr", "--data", "--batch-size", "--steps",
+            "--out", "--resume", "--overwrite", "--config"} <= listed
+    hidden = {"--log-every", "--eval-batches", "--ckpt-every", "--keep-checkpoints", "--wandb", "--min-lr",
+              "--grad-accum-steps", "--window-pattern"}
+    assert not hidden & listed
+    config, explicit = cli.parse(["--log-every", "3", "--eval-batches", "2", "--ckpt-every", "4", "--keep-checkpoints",
+                                  "0", "--wandb", "disabled", "--min-lr", "1e-5", "--grad-accum-steps", "2",
+                                  "--window-pattern", "LG"])
+    assert (config.run.log_every, config.run.eval_batches, config.run.ckpt_every, config.run.keep_checkpoints,
+            config.run.wandb, config.optim.min_lr, config.execution.grad_accum_steps,
+            config.model.window_pattern) == (3, 2, 4, 0, "disabled", 1e-5, 2, "LG")
+    assert {"log_every", "keep_checkpoints", "min_lr", "window_pattern"} <= explicit
 
 
 def test_a_batch_the_micro_batches_do_not_divide_leaves_the_earlier_run_in_place(tmp_path, text_file, capsys):
