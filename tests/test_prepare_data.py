@@ -60,7 +60,8 @@ def test_bad_input_is_one_line(tmp_path, capsys, make, extra, message):
 
 
 @pytest.mark.parametrize("argv, named", [(["--tokenizer", "wordpiece"], "--tokenizer"),
-                                         (["--vocab-size", "big"], "--vocab-size"), (["--no-such-flag"], "--no-such-flag")])
+                                         (["--vocab-size", "big"], "--vocab-size"),
+                                         (["--no-such-flag"], "--no-such-flag")])
 def test_a_bad_flag_is_one_line_without_usage(tmp_path, capsys, argv, named):
     with pytest.raises(SystemExit) as e:
         prepare_data.main([str(tmp_path / "in.txt"), "--out", str(tmp_path / "out"), *argv])

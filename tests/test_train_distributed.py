@@ -233,7 +233,8 @@ def test_torchrun_launches_train_py(tmp_path, text_file, one_process):
         (2, {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
          ["--parallel", "ddp"], r"--batch-size 4 \(the global batch\) is not divisible by the 3 ranks"),
         (1, {}, ["--parallel", "fsdp"], r"needs the process variables torchrun sets \(RANK, WORLD_SIZE, LOCAL_RANK, "
-                                        r"MASTER_ADDR, MASTER_PORT missing\); launch with `torchrun --nproc-per-node N"),
+                                        r"MASTER_ADDR, MASTER_PORT missing\); launch with "
+                                        r"`torchrun --nproc-per-node N"),
         (1, {}, ["--resume"], r"no checkpoint to resume from in .*run \(looked for checkpoint-<step>.pt and "
                               r"checkpoint.pt\)"),
     ],

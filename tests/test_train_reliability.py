@@ -336,8 +336,9 @@ def test_sibling_runs_share_the_token_cache_safely(tmp_path):
     # The default corpus (the standard library, tens of MB): long enough to write that runs started together
     # overlap. With one shared temporary name, some of them failed ("No such file", "cannot mmap an empty file").
     for trial in range(2):
-        children = [Forked([*T, "--out", str(tmp_path / f"{trial}" / f"run{i}"), "--steps", "1", "--keep-checkpoints", "0",
-                            "--eval-every", "0"], tmp_path / f"{trial}-{i}.log") for i in range(4)]
+        children = [Forked([*T, "--out", str(tmp_path / f"{trial}" / f"run{i}"), "--steps", "1",
+                            "--keep-checkpoints", "0", "--eval-every", "0"], tmp_path / f"{trial}-{i}.log")
+                    for i in range(4)]
         for child in children:
             assert child.wait() == 0, child.output
         cache = sorted(p.name for p in (tmp_path / f"{trial}" / ".token_cache").iterdir())
