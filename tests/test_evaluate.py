@@ -9,9 +9,10 @@ import pytest
 
 import evaluate
 import train
-from training.dataset import load_run_data, record_tokenizer
-from training.prepared import Settings, prepare
-from training.text_corpus import resolve
+from training.data import open_source
+from training.data.corpus import resolve
+from training.data.prepare import Settings, prepare
+from training.data.record import record_data
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "32",
         "--batch-size", "4", "--device", "cpu", "--warmup-steps", "5", "--lr", "3e-3", "--wandb", "disabled"]
@@ -47,7 +48,7 @@ def test_evaluation_repeats_the_val_loss_the_run_logged(byte_run, capsys):
 def test_full_split_and_train_split(byte_run, capsys):
     out, _ = byte_run
     full = run_json(capsys, str(out / "checkpoint-12.pt"), "--full")
-    data = load_run_data(str(Path(out).parent / "corpus.txt"), out.parent / ".token_cache", 32)
+    data = open_source(str(Path(out).parent / "corpus.txt"), 32, out.parent / ".token_cache")
     assert full["tokens"] == len(data.val) - 1
     train_split = run_json(capsys, str(out), "--split", "train", "--eval-batches", "2")
     assert train_split["tokens"] == 2 * 4 * 32
@@ -73,7 +74,7 @@ def test_mismatched_data_and_missing_checkpoints_are_one_line_errors(byte_run, t
     assert "no checkpoint at" in error(str(tmp_path / "nowhere.pt"))
     assert f"no checkpoint in {tmp_path}" in error(str(tmp_path))
     # A run that records the tokenizer it trained with refuses data from another one.
-    record_tokenizer(load_run_data(str(tmp_path / "bpe"), tmp_path, 32), out)
+    record_data(open_source(str(tmp_path / "bpe"), 32, tmp_path), out)
     try:
         assert "is tokenized with another tokenizer (bpe, vocabulary 280)" in error(
             str(out), "--data", str(tmp_path / "bpe2"))
@@ -81,3 +82,18 @@ def test_mismatched_data_and_missing_checkpoints_are_one_line_errors(byte_run, t
     finally:
         for name in ("data.json", "tokenizer.json"):
             (out / name).unlink()
+
+
+@pytest.mark.parametrize("argv, named", [([], "run"), (["runs/x", "--split", "test"], "--split"),
+                                         (["runs/x", "--eval-batches", "some"], "--eval-batches"),
+                                         (["runs/x", "--batch-size", "0"], "--batch-size"),
+                                         (["runs/x", "--no-such-flag"], "--no-such-flag")])
+def test_a_bad_flag_is_one_line_without_usage(capsys, argv, named):
+    try:
+        code = evaluate.main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
+    assert named in captured.err and "usage" not in captured.err

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import prepare_data
-from training.prepared import load_prepared
+from training.data.prepared import load_prepared
 
 
 @pytest.fixture
@@ -56,4 +56,17 @@ def test_bad_input_is_one_line(tmp_path, capsys, make, extra, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert re.match(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, named", [(["--tokenizer", "wordpiece"], "--tokenizer"),
+                                         (["--vocab-size", "big"], "--vocab-size"),
+                                         (["--no-such-flag"], "--no-such-flag")])
+def test_a_bad_flag_is_one_line_without_usage(tmp_path, capsys, argv, named):
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([str(tmp_path / "in.txt"), "--out", str(tmp_path / "out"), *argv])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
+    assert named in captured.err and "usage" not in captured.err
     assert not (tmp_path / "out").exists()

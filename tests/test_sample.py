@@ -10,17 +10,22 @@ import torch
 
 import sample
 from model import ModelConfig, TransformerLM
+from training.config import Config
 
-CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=256, context_length=32, attn="sdpa")
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=256, context_length=32)
 
 
-def write_run(out: Path, cfg: ModelConfig = CFG, step: int = 7, model_cfg: ModelConfig | None = None) -> Path:
-    """A checkpoint as train.py writes it (the keys sample.py reads), weights from `model_cfg` if given."""
+def write_run(out: Path, cfg: ModelConfig = CFG, step: int = 7, model_cfg: ModelConfig | None = None,
+              legacy: bool = False) -> Path:
+    """A checkpoint as train.py writes it (the keys sample.py reads: the run's config), weights from `model_cfg` if
+    given; `legacy`: as the earlier version wrote it (the model's config with its attention backend)."""
     torch.manual_seed(step)
     model = TransformerLM(model_cfg or cfg)
     path = out / f"checkpoint-{step}.pt"
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model.state_dict(), "model_config": cfg.to_dict(), "step": step}, path)
+    about = ({"model_config": {**cfg.to_dict(), "attn": "sdpa", "fp32_weight_grads": True}} if legacy
+             else {"config": Config(model=cfg).to_dict()})
+    torch.save({"model": model.state_dict(), **about, "step": step}, path)
     return path
 
 
@@ -45,8 +50,9 @@ def test_the_newest_checkpoint_is_read(tmp_path, capsys):
     assert "checkpoint-12.pt (step 12)" in run(capsys, "--out", str(tmp_path), "--max-new-tokens", "1")[2]
 
 
-def test_greedy_equals_the_model_argmax(tmp_path, capsys):
-    path = write_run(tmp_path)
+@pytest.mark.parametrize("legacy", [False, True], ids=["config", "earlier-version"])
+def test_greedy_equals_the_model_argmax(tmp_path, capsys, legacy):
+    path = write_run(tmp_path, legacy=legacy)
     model = TransformerLM(CFG)
     model.load_state_dict(torch.load(path)["model"])
     ids = list(b"xy")
@@ -66,16 +72,17 @@ def test_a_long_prompt_keeps_its_end_and_generation_stops_at_the_context(tmp_pat
     assert out.startswith("x" * 28 + "END")
 
 
-@pytest.mark.parametrize("setup,argv,message", [
-    (None, [], "error: no run at"),
-    ("empty", [], "error: no checkpoint in"),
-    ("run", ["--ckpt", "missing.pt"], "error: no checkpoint file missing.pt"),
-    ("other-shape", [], "holds another model shape than its config says: embed.weight is (256, 64) in the file"),
-    ("run", ["--prompt", ""], "error: the prompt is empty"),
-    ("small-vocab", ["--prompt", "é"], "the prompt's token 195 (at 0) is outside the model's vocabulary of 100"),
-    ("run", ["--attn", "nope"], "error: unknown --attn 'nope'"),
+@pytest.mark.parametrize("setup,argv,code,message", [
+    (None, [], 1, "error: no checkpoint at"),
+    ("empty", [], 1, "error: no checkpoint in"),
+    ("run", ["--ckpt", "missing.pt"], 1, "error: no checkpoint at missing.pt"),
+    ("other-shape", [], 1, "holds another model shape than its config says: embed.weight is (256, 64) in the file"),
+    ("run", ["--prompt", ""], 2, "error: the prompt is empty"),
+    ("small-vocab", ["--prompt", "é"], 2, "the prompt's token 195 (at 0) is outside the model's vocabulary of 100"),
+    ("run", ["--attn", "nope"], 2, "error: unknown --attn 'nope'"),
+    ("run", ["--max-new-tokens", "0"], 2, "error: --max-new-tokens and --num-samples must be >= 1"),
 ])
-def test_errors_are_one_line(tmp_path, capsys, setup, argv, message):
+def test_errors_are_one_line(tmp_path, capsys, setup, argv, code, message):
     out = tmp_path / "run"
     if setup == "empty":
         out.mkdir()
@@ -85,20 +92,33 @@ def test_errors_are_one_line(tmp_path, capsys, setup, argv, message):
         write_run(out, model_cfg=dataclasses.replace(CFG, d_model=64))
     elif setup == "small-vocab":
         write_run(out, dataclasses.replace(CFG, vocab_size=100))
-    code, stdout, err = run(capsys, "--out", str(out), *argv)
-    assert code == 1 and stdout == ""
+    status, stdout, err = run(capsys, "--out", str(out), *argv)
+    assert status == code and stdout == ""
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, named", [(["--max-new-tokens", "many"], "--max-new-tokens"),
+                                         (["--dtype", "fp64"], "--dtype"), (["--no-such-flag"], "--no-such-flag")])
+def test_a_bad_flag_is_one_line_without_usage(capsys, argv, named):
+    with pytest.raises(SystemExit) as e:
+        sample.main(argv)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
+    assert named in captured.err and "usage" not in captured.err
 
 
 def test_a_run_on_prepared_data_samples_with_its_tokenizer(tmp_path, capsys):
     import json
 
-    from training.dataset import RUN_TOKENIZER_FILE
-    from training.tokenizer import BPETokenizer
+    from training.data.record import DATA_NOTE
+    from training.data.tokenizer import BPETokenizer
 
     tokenizer = BPETokenizer.train(["def main(): return 1\n" * 50, "class A: pass\n" * 50], vocab_size=300)
     tokenizer.save(tmp_path)
-    (tmp_path / RUN_TOKENIZER_FILE).write_text(json.dumps({"tokenizer": "bpe", "eod_id": tokenizer.eod_id}))
+    (tmp_path / DATA_NOTE).write_text(json.dumps({  # what train.py records of prepared data
+        "data": "data/prepared", "corpus": "text", "tokenizer": "bpe", "tokenizer_fingerprint": tokenizer.fingerprint(),
+        "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}))
     cfg = dataclasses.replace(CFG, vocab_size=tokenizer.vocab_size)
     model = TransformerLM(cfg)
     model.load_state_dict(torch.load(write_run(tmp_path, cfg))["model"])
@@ -117,7 +137,7 @@ def test_a_model_with_attention_variants_samples_greedily_like_its_full_forward(
     """GQA, local/global windows and softcap: sdpa (the run's) cannot softcap, so sampling falls back to naive."""
     cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=2, window=3, window_pattern="LG", attn_softcap=10.0)
     path = write_run(tmp_path, cfg)
-    model = TransformerLM(dataclasses.replace(cfg, attn="naive"))
+    model = TransformerLM(cfg, attn="naive")
     model.load_state_dict(torch.load(path)["model"])
     ids = list(b"xyz")
     with torch.no_grad():
@@ -128,4 +148,4 @@ def test_a_model_with_attention_variants_samples_greedily_like_its_full_forward(
     assert code == 0 and out.rstrip("\n") == bytes(ids).decode("utf-8", errors="replace")
     assert "sampling with 'naive'" in err
     code, _, err = run(capsys, "--ckpt", str(path), "--attn", "sdpa", "--max-new-tokens", "1")
-    assert code == 1 and "does not run logit soft-capping" in err
+    assert code == 2 and "does not run logit soft-capping" in err

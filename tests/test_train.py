@@ -2,27 +2,53 @@
 
 import json
 import os
+import re
+import shlex
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import evaluate
+import sample
 import train
 from tests.training.wandb_offline import history_and_summary
-from training import checkpoint
+from training import cli
+from training.checkpoint import format as checkpoint
+from training.checkpoint.consolidate import optimizer_state_by_index
+from training.config import resolve
 from training.step import TrainingStep
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "32",
         "--batch-size", "4", "--device", "cpu", "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4"]
+ROOT = Path(train.__file__).parent
+
+
+def read_rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def run(tmp_path, text_file, *extra, name="run"):
     out = tmp_path / name
     code = train.main([*TINY, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", *extra])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (
-        out / "metrics.jsonl").exists() else []
-    return code, rows, out
+    return code, read_rows(out), out
+
+
+def exit_status(argv: list[str]) -> int:
+    """train.main's exit status, also when a flag's error exits through SystemExit."""
+    try:
+        return train.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*"))}
 
 
 def test_loss_falls(tmp_path, text_file):
@@ -43,11 +69,11 @@ def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, mo
 
     real_loss, calls = TrainingStep.loss, {"n": 0}
 
-    def loss_then_interrupt(*a):
+    def loss_then_interrupt(*a, **k):
         calls["n"] += 1
         if calls["n"] == 7:  # Ctrl-C during step 7: the run finishes that step, checkpoints, stops
             os.kill(os.getpid(), signal.SIGINT)
-        return real_loss(*a)
+        return real_loss(*a, **k)
 
     monkeypatch.setattr(TrainingStep, "loss", loss_then_interrupt)
     code, _, out = run(tmp_path, text_file, *args, name="resumed")
@@ -63,29 +89,141 @@ def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, mo
 def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, text_file, monkeypatch, capsys):
     real_loss, calls = TrainingStep.loss, {"n": 0}
 
-    def nan_at_step_7(*a):
+    def nan_at_step_7(*a, **k):
         calls["n"] += 1
-        loss = real_loss(*a)
+        loss = real_loss(*a, **k)
         return loss * float("nan") if calls["n"] >= 7 else loss
 
     monkeypatch.setattr(TrainingStep, "loss", nan_at_step_7)
     code, _, out = run(tmp_path, text_file, "--steps", "20", "--ckpt-every", "5", "--log-every", "4")
     assert code == 1
-    assert "loss became nan at step 8" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "loss became nan at step 8" in captured.err
+    assert f"Last good checkpoint: {out / 'checkpoint-5.pt'} (step 5)" in captured.err
     assert checkpoint.load(out / "checkpoint-5.pt")["step"] == 5
 
 
-def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
+def test_the_summary_names_the_checkpoint_the_wandb_run_and_commands_that_work(tmp_path, text_file, capsys):
+    """An offline W&B run holds the logged keys; the summary names the checkpoint, the metrics, the W&B directory
+    with its sync command, and sample/evaluate/resume commands, which run as printed."""
     out = tmp_path / "wb"
     code = train.main([*TINY, "--data", str(text_file), "--out", str(out), "--steps", "6", "--log-every", "3",
                        "--wandb", "offline"])
     assert code == 0
-    history, summary = history_and_summary(out / "wandb", min_rows=2)
-    assert [h["_step"] for h in history] == [3, 6]
+    history, summary = history_and_summary(out / "wandb", min_rows=3)
+    assert [h["_step"] for h in history] == [1, 3, 6]  # the first step reports at once, then every --log-every
     for key in ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s"):
         assert key in history[-1]
     assert "val_loss" in history[-1]
     assert summary["final_loss"] == history[-1]["loss"] and summary["steps"] == 6
+
+    lines = capsys.readouterr().out.splitlines()
+    rows = read_rows(out)
+    [wandb_dir] = (out / "wandb").glob("offline-run-*")
+    done = lines.index(next(line for line in lines if line.startswith("done: ")))
+    assert re.fullmatch(r"done: step 6 of 6 in \d+\.\d s", lines[done]), lines[done]
+    assert lines[done + 1:done + 5] == [
+        f"final: train loss {rows[-1]['loss']:.4f}, val loss {rows[-1]['val_loss']:.4f}, "
+        f"{rows[-1]['val_bpb']:.4f} bits per byte",
+        f"checkpoint: {out / 'checkpoint-6.pt'}",
+        f"metrics: {out / 'metrics.jsonl'}; config: {out / 'config.json'}",
+        f"W&B: {wandb_dir} (upload it with: wandb sync {wandb_dir})",
+    ]
+    assert lines[done + 5].startswith("next: ") and lines[done + 5:] == lines[-1:]
+    commands = [shlex.split(c) for c in lines[-1].removeprefix("next: ").split("   |   ")]
+    assert [c[:2] for c in commands] == [["python", "sample.py"], ["python", "evaluate.py"], ["python", "train.py"]]
+    assert commands[2][2:] == ["--resume", "--out", str(out), "--steps", "12"]
+    # sample.py and evaluate.py as printed (on the CPU, briefly): they read this run.
+    assert sample.main([*commands[0][2:], "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert "checkpoint-6.pt (step 6)" in capsys.readouterr().err
+    assert evaluate.main([*commands[1][2:], "--json", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-6)
+
+
+def test_progress_lines_when_piped(tmp_path, text_file):
+    """train.py with its output piped: the first line in words, the description, a progress line at once after
+    step 1 (no warm-up on the CPU) and at each log step, with the time left; no carriage return; the summary."""
+    out = tmp_path / "piped"
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "--data", str(text_file), "--out", str(out),
+                           "--steps", "4", "--log-every", "2", "--eval-every", "0", "--keep-checkpoints", "0",
+                           "--wandb", "disabled"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert b"\r" not in proc.stdout and b"\r" not in proc.stderr
+    lines = proc.stdout.decode().splitlines()
+    assert lines[0] == (f"training 32 wide, 2 layers on {text_file} for 4 steps on cpu: fp32 throughout; eager "
+                        f"(--compile compiles, which pays on GPUs); no CUDA graph (CUDA graphs need a GPU); "
+                        f"writing {out}")
+    assert lines[1].startswith("model: ") and lines[2].startswith("data: ") and lines[3].startswith("steps 0 to 4")
+    progress = [line for line in lines if line.startswith("train ")]
+    assert [line.split(" steps")[0] for line in progress] == ["train 1/4", "train 2/4", "train 4/4"]
+    for line in progress[:-1]:
+        assert re.match(r"train \d/4 steps, [\d.]+ s left: loss \d", line), line
+    assert progress[-1].startswith("train 4/4 steps: loss ")  # done: nothing left
+    assert lines.index(progress[0]) == 4  # step 1 reports before any other line
+    assert re.fullmatch(r"done: step 4 of 4 in \d+\.\d s", lines[lines.index(progress[-1]) + 1])
+    assert "checkpoint: none written" in lines and not any(line.startswith("next: ") for line in lines)
+    assert not list(out.glob("checkpoint*"))  # --keep-checkpoints 0 writes none
+
+
+def test_the_default_warm_up_is_at_most_a_tenth_of_the_run(tmp_path, text_file):
+    flags = [f for f in TINY if f not in ("--warmup-steps", "5")]
+    out = tmp_path / "run"
+    assert train.main([*flags, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--steps", "20",
+                       "--log-every", "1", "--eval-every", "0", "--keep-checkpoints", "0"]) == 0
+    lrs = [r["lr"] for r in read_rows(out)]
+    peak = lrs.index(max(lrs)) + 1  # the step at which the learning rate reaches its peak
+    assert max(lrs) == pytest.approx(3e-3) and peak <= 20 // 10
+    assert lrs[:peak] == sorted(lrs[:peak]) and lrs[peak - 1:] == sorted(lrs[peak - 1:], reverse=True)
+    assert json.loads((out / "config.json").read_text())["optim"]["warmup_steps"] == 2
+    for steps, warmup in ((5, 0), (250, 25), (5000, 100)):  # min(100, steps // 10)
+        config, explicit = cli.parse([*flags, "--data", str(text_file), "--steps", str(steps)])
+        assert resolve(config, explicit).config.optim.warmup_steps == warmup
+
+
+def test_config_json_reproduces_the_run(tmp_path, text_file, capsys):
+    """train.py writes <out>/config.json, resolved; `--config <that file> --out Y` runs the same configuration,
+    with the same losses."""
+    code, first, out = run(tmp_path, text_file, "--steps", "3", "--log-every", "1", "--seed", "3", "--grad-clip",
+                           "0.5", "--eval-every", "0", "--window", "8", "--window-pattern", "LG")
+    assert code == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model"]["window"] == 8 and saved["model"]["vocab_size"] == 256
+    assert saved["execution"]["dtype"] == "fp32" and saved["execution"]["device"] == "cpu"
+    assert saved["optim"]["grad_clip"] == 0.5 and saved["run"]["seed"] == 3 and saved["run"]["out"] == str(out)
+    config, _ = cli.parse(["--config", str(out / "config.json"), "--out", str(tmp_path / "again")])
+    assert config.replace(run={"out": str(out)}).to_dict() == saved
+
+    again = tmp_path / "again"
+    assert train.main(["--config", str(out / "config.json"), "--out", str(again)]) == 0
+    assert json.loads((again / "config.json").read_text()) == {**saved, "run": {**saved["run"], "out": str(again)}}
+    assert read_rows(again) == [{**r, "step_ms": a["step_ms"], "tokens_per_s": a["tokens_per_s"]}
+                                for r, a in zip(first, read_rows(again), strict=True)]
+
+
+def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert train.main(["--size", "tiny", "--context-length", "128", "--batch-size", "8", "--steps", "1", "--out",
+                       str(out), "--data", str(text_file), "--eval-batches", "1", "--wandb", "disabled"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"training tiny (256 wide, 4 layers) on {text_file} for 1 steps on cpu: fp32 throughout; eager (--compile "
+        f"compiles, which pays on GPUs); no CUDA graph (CUDA graphs need a GPU); writing {out}")
+    assert train.main(["--resume", "--out", str(out), "--steps", "2"]) == 0  # the run's config.json, steps aside
+    output = capsys.readouterr().out
+    assert output.startswith(f"training tiny (256 wide, 4 layers) on {text_file} for 2 steps on cpu: ")
+    assert f"resuming from {out / 'checkpoint-1.pt'} (step 1)" in output
+    assert "model: 4.3M parameters, d_model 256, 4 layers, 4 heads, context 128" in output
+    assert [r["step"] for r in read_rows(out)] == [1, 2]
+    first, second = (checkpoint.load(out / f"checkpoint-{s}.pt")["config"] for s in (1, 2))
+    assert second == {**first, "run": {**first["run"], "steps": 2, "resume": True}}
+
+    before = snapshot(out)
+    assert exit_status(["--resume", "--out", str(out), "--steps", "3", "--d-model", "512"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --d-model 512 differs from the run in {out}, which has 256: a resumed run keeps its model (drop the "
+        "flag, or start a new run with another --out)\n")
+    assert snapshot(out) == before
 
 
 @pytest.mark.parametrize(
@@ -99,33 +237,57 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, text_file):
         (["--d-model", "40", "--dtype", "bf16", "--fp8", "rowwise"], 2,
          "--fp8 rowwise needs a --d-model that is a multiple of 16"),
         (["--attn", "fast"], 2, "unknown --attn 'fast'; valid: naive"),
-        (["--size", "huge"], 2, "unknown --size 'huge'; valid: tiny, small"),
+        (["--size", "huge"], 2, "argument --size: invalid choice: 'huge'"),
         (["--steps", "0"], 2, "--steps must be >= 1"),
         (["--dtype", "fp16"], 2, "fp16 needs a CUDA device"),
-        (["--cuda-graph"], 2, "--cuda-graph needs a CUDA device, got --device cpu"),
-        (["--overlap-optimizer"], 2, "before the global norm is known: add --grad-clip 0"),
-        (["--overlap-optimizer", "--grad-clip", "0", "--parallel", "ddp"], 2, "--overlap-optimizer is for one process"),
+        (["--cuda-graph"], 2, "--cuda-graph: CUDA graphs need a GPU"),
         (["--grad-accum-steps", "0"], 2, "--grad-accum-steps must be >= 1, got 0"),
-        (["--optim-state-dtype", "bf16", "--parallel", "fsdp"], 2, "--parallel fsdp shards them"),
-        (["--optim-state-dtype", "fp8"], 2, "invalid choice: 'fp8'"),
-        (["--grad-accum-steps", "2", "--overlap-optimizer", "--grad-clip", "0"], 2, "drop one"),
-        (["--grad-accum-steps", "3"], 1, r"--grad-accum-steps 3 must divide the sequences per rank and step "
-                                         r"\(--batch-size 4 over 1 rank: 4\)"),
+        (["--optimizer", "adamw-bf16", "--parallel", "fsdp"], 2, "--parallel fsdp shards them"),
+        (["--optimizer", "fp8"], 2, "unknown --optimizer 'fp8'; valid: adamw, adamw-bf16"),
+        (["--grad-accum-steps", "3"], 2, r"--grad-accum-steps 3 must divide the sequences per rank and step \(4\)"),
     ],
 )
 def test_bad_input_stops_with_a_message(tmp_path, text_file, capsys, argv, code, message):
     base = [*TINY, "--out", str(tmp_path / "bad"), "--wandb", "disabled", "--steps", "2"]
     if "--data" not in argv:
         base += ["--data", str(text_file)]
-    if code == 2:
-        with pytest.raises(SystemExit) as e:
-            train.main(base + argv)
-        assert e.value.code == 2
-    else:
-        assert train.main(base + argv) == code
-    import re
+    assert exit_status(base + argv) == code
+    err = capsys.readouterr().err
+    [line] = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert re.search(message, line) and "usage" not in err, err
 
-    assert re.search(message, capsys.readouterr().err)
+
+@pytest.mark.parametrize("argv", [["--no-checkpoint"], ["--overlap-optimizer"], ["--weight-grads", "fp32"],
+                                  ["--residual", "fp32"], ["--fused-rope", "on"], ["--fused-gate-up", "on"],
+                                  ["--compile-scope", "model"], ["--optim-state-dtype", "bf16"], ["--no-such-flag"],
+                                  ["--steps", "many"]])
+def test_a_bad_flag_is_one_line_without_usage(tmp_path, text_file, capsys, argv):
+    """Retired and unknown flags, and a value of the wrong type: one line naming it, exit status 2, nothing run."""
+    out = tmp_path / "run"
+    assert exit_status([*TINY, "--data", str(text_file), "--out", str(out), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: "), captured.err
+    assert argv[0] in captured.err and argv[-1] in captured.err
+    assert not out.exists()
+
+
+def test_help_lists_the_main_flags_and_the_others_are_accepted(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0
+    listed = set(re.findall(r"^  (--[a-z0-9-]+)", capsys.readouterr().out, re.MULTILINE))
+    assert {"--size", "--d-model", "--attn", "--dtype", "--optimizer", "--lr", "--data", "--batch-size", "--steps",
+            "--out", "--resume", "--overwrite", "--config"} <= listed
+    hidden = {"--log-every", "--eval-batches", "--ckpt-every", "--keep-checkpoints", "--wandb", "--min-lr",
+              "--grad-accum-steps", "--window-pattern"}
+    assert not hidden & listed
+    config, explicit = cli.parse(["--log-every", "3", "--eval-batches", "2", "--ckpt-every", "4", "--keep-checkpoints",
+                                  "0", "--wandb", "disabled", "--min-lr", "1e-5", "--grad-accum-steps", "2",
+                                  "--window-pattern", "LG"])
+    assert (config.run.log_every, config.run.eval_batches, config.run.ckpt_every, config.run.keep_checkpoints,
+            config.run.wandb, config.optim.min_lr, config.execution.grad_accum_steps,
+            config.model.window_pattern) == (3, 2, 4, 0, "disabled", 1e-5, 2, "LG")
+    assert {"log_every", "keep_checkpoints", "min_lr", "window_pattern"} <= explicit
 
 
 def test_a_batch_the_micro_batches_do_not_divide_leaves_the_earlier_run_in_place(tmp_path, text_file, capsys):
@@ -133,7 +295,7 @@ def test_a_batch_the_micro_batches_do_not_divide_leaves_the_earlier_run_in_place
     base = [*TINY, "--out", str(out), "--wandb", "disabled", "--steps", "1", "--data", str(text_file)]
     assert train.main(base) == 0
     before = sorted(p.name for p in out.iterdir())
-    assert train.main(base + ["--overwrite", "--grad-accum-steps", "3"]) == 1
+    assert exit_status(base + ["--overwrite", "--grad-accum-steps", "3"]) == 2
     assert "--grad-accum-steps 3 must divide" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == before and not list(tmp_path.glob("run.old-*"))
 
@@ -155,39 +317,38 @@ def test_corpus_shorter_than_a_window(tmp_path, capsys):
     assert "too short for a training and a validation window of context length 32" in capsys.readouterr().err
 
 
-def test_resume_with_another_model_is_refused(tmp_path, text_file, capsys):
-    code, _, out = run(tmp_path, text_file, "--steps", "2")
+def test_a_checkpoint_of_the_earlier_version_resumes_with_the_same_losses(tmp_path, text_file, capsys):
+    """A run of the earlier version: no config.json, its checkpoint keyed "model_config" (with the switches since
+    retired, and the attention backend) and "args", its optimizer state keyed by index. It is refused for another
+    model, and otherwise resumes where a straight run would be."""
+    args = ("--steps", "4", "--log-every", "1", "--eval-every", "0", "--ckpt-every", "2")
+    code, straight, out = run(tmp_path, text_file, *args, name="straight")
     assert code == 0
-    argv = [*TINY, "--d-model", "64", "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume"]
-    assert train.main(argv) == 1
-    assert "was written for another model" in capsys.readouterr().err
-
-
-def test_resume_takes_an_older_checkpoint_and_another_weight_grad_rope_residual_and_gate_up_mode(tmp_path, text_file):
-    # A checkpoint written before fp32_weight_grads, fused_rope, fp32_residual and fused_gate_up existed lacks them;
-    # none changes a parameter, so a resume may also pick the other mode.
-    code, _, out = run(tmp_path, text_file, "--steps", "2")
-    assert code == 0
+    old = tmp_path / "old"
+    old.mkdir()
     state = checkpoint.load(out / "checkpoint-2.pt")
-    fields = ("fp32_weight_grads", "fused_rope", "fp32_residual", "fused_gate_up")
-    for field in fields:
-        del state["model_config"][field]
-    checkpoint.save_atomic(state, out / "checkpoint-2.pt")
-    argv = [*TINY, "--data", str(text_file), "--out", str(out), "--wandb", "disabled", "--resume", "--steps", "3",
-            "--weight-grads", "autocast", "--fused-rope", "off", "--residual", "autocast", "--fused-gate-up", "off"]
-    assert train.main(argv) == 0
-    resumed = checkpoint.load(out / "checkpoint-3.pt")
-    assert resumed["step"] == 3
-    assert {field: resumed["model_config"][field] for field in fields} == dict.fromkeys(fields, False)
+    config = state.pop("config")
+    state["model_config"] = {**config["model"], "attn": "sdpa", "fp32_weight_grads": True, "fused_rope": True,
+                             "fp32_residual": False, "fused_gate_up": True}
+    state["args"] = {"data": str(text_file), "batch_size": 4, "steps": 4, "dtype": "fp32"}
+    state["optimizer"] = optimizer_state_by_index(state["optimizer"])
+    checkpoint.save_atomic(state, old / "checkpoint-2.pt")
+    (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in straight[:2]))
+
+    resume = [*TINY, "--data", str(text_file), "--out", str(old), "--wandb", "disabled", "--resume", *args]
+    assert train.main([*resume, "--d-model", "64"]) == 1
+    assert (f"checkpoint {old / 'checkpoint-2.pt'} was written for another model: --d-model 32 (asked 64)"
+            in capsys.readouterr().err)
+    assert train.main(resume) == 0
+    assert [r["loss"] for r in read_rows(old)] == [r["loss"] for r in straight]
+    assert checkpoint.load(old / "checkpoint-4.pt")["config"]["model"] == config["model"]
 
 
-@pytest.mark.parametrize("scope, compiled, graphs", [("blocks", 2 + 1, 2 * 2), ("model", 1, 1 * 2)],
-                         ids=["blocks", "model"])
-def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch, scope, compiled, graphs):
+def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch):
     """train.py's --compile plumbing; aot_eager for speed (Inductor's numerics: tests/training/test_compilation.py)."""
     from torch._dynamo.backends.debugging import aot_eager
 
-    args = ("--steps", "3", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--no-checkpoint")
+    args = ("--steps", "3", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--keep-checkpoints", "0")
     code, eager, _ = run(tmp_path, text_file, *args, name="eager")
     assert code == 0
     real_compile, calls, traced = torch.compile, [], []
@@ -202,12 +363,12 @@ def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch, scope, comp
 
     monkeypatch.setattr(torch, "compile", compile_aot_eager)
     torch._dynamo.reset()
-    code, rows, _ = run(tmp_path, text_file, *args, "--compile", "--compile-scope", scope, name=scope)
+    code, rows, _ = run(tmp_path, text_file, *args, "--compile", name="compiled")
     torch._dynamo.reset()
     assert code == 0
-    assert len(calls) == compiled  # blocks: each of the 2 blocks, and the loss; model: the whole model
-    # One graph for all blocks and one for the loss (with the loss inside the model), in training and in evaluation.
-    assert len(traced) == graphs
+    assert len(calls) == 2 + 1  # each of the 2 blocks, and the loss
+    # One graph for all blocks and one for the loss, in training and in evaluation.
+    assert len(traced) == 2 * 2
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in rows], [r[key] for r in eager], rtol=1e-5, atol=1e-6)
@@ -233,30 +394,36 @@ def test_cuda_graph_trains_like_the_plain_step_and_resumes(tmp_path, text_file):
     assert code == 0
 
 
-def test_overlapped_optimizer_trains_like_the_plain_step_and_refuses_the_other_checkpoint(tmp_path, text_file, capsys):
-    """--overlap-optimizer: the same losses and gradient norms as the plain AdamW without clipping, its own
-    checkpoints resume, and a plain run's checkpoint is refused with a message."""
-    args = ("--steps", "6", "--log-every", "1", "--eval-every", "0", "--grad-clip", "0")
-    code, plain, plain_out = run(tmp_path, text_file, *args, name="plain")
+def test_without_clipping_the_optimizer_steps_in_the_backward_and_checkpoints_interchange(tmp_path, text_file,
+                                                                                           capsys):
+    """--grad-clip 0 steps each parameter during the backward: the same losses and gradient norms as one optimizer
+    step after it (a clip threshold no norm reaches leaves the gradients as they are), and either run's checkpoint
+    resumes the other way."""
+    args = ("--steps", "6", "--log-every", "1", "--eval-every", "0")
+    code, plain, plain_out = run(tmp_path, text_file, *args, "--grad-clip", "1e9", name="plain")
     assert code == 0
-    code, rows, out = run(tmp_path, text_file, *args, "--overlap-optimizer", name="overlap")
+    assert "stepped during the backward" not in capsys.readouterr().out
+    code, rows, out = run(tmp_path, text_file, *args, "--grad-clip", "0", name="overlap")
     assert code == 0
+    assert "adamw stepped during the backward (no clipping)" in capsys.readouterr().out.splitlines()[0]
     for key in ("loss", "grad_norm", "lr"):
         torch.testing.assert_close([r[key] for r in rows], [r[key] for r in plain], rtol=1e-6, atol=0)
-    resume = [*TINY, "--data", str(text_file), "--wandb", "disabled", "--resume", "--steps", "7", "--grad-clip", "0",
-              "--overlap-optimizer"]
-    assert train.main([*resume, "--out", str(out)]) == 0
-    assert train.main([*resume, "--out", str(plain_out)]) == 1
-    assert "drop or add --overlap-optimizer" in capsys.readouterr().err
+    # Each run's checkpoint carries on the other way; both continue alike.
+    resume = [*TINY, "--data", str(text_file), "--wandb", "disabled", "--resume", "--steps", "8", "--log-every", "1"]
+    assert train.main([*resume, "--out", str(out), "--grad-clip", "1e9"]) == 0
+    assert train.main([*resume, "--out", str(plain_out), "--grad-clip", "0"]) == 0
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in read_rows(out)], [r[key] for r in read_rows(plain_out)],
+                                   rtol=1e-6, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a GPU")
-def test_overlapped_optimizer_on_the_gpu_graphed_trains_like_the_plain_step(tmp_path, text_file):
-    gpu = ("--device", "cuda", "--steps", "8", "--log-every", "1", "--eval-every", "0", "--grad-clip", "0",
-           "--dtype", "bf16", "--no-checkpoint", "--no-compile")
-    code, plain, _ = run(tmp_path, text_file, *gpu, "--no-cuda-graph", name="plain")
+def test_stepping_in_the_backward_on_the_gpu_graphed_trains_like_the_plain_step(tmp_path, text_file):
+    gpu = ("--device", "cuda", "--steps", "8", "--log-every", "1", "--eval-every", "0", "--dtype", "bf16",
+           "--keep-checkpoints", "0", "--no-compile")
+    code, plain, _ = run(tmp_path, text_file, *gpu, "--grad-clip", "1e9", "--no-cuda-graph", name="plain")
     assert code == 0
-    code, rows, _ = run(tmp_path, text_file, *gpu, "--overlap-optimizer", "--cuda-graph", name="overlap")
+    code, rows, _ = run(tmp_path, text_file, *gpu, "--grad-clip", "0", "--cuda-graph", name="overlap")
     assert code == 0
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in rows], [r[key] for r in plain], rtol=1e-4, atol=1e-5)

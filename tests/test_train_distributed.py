@@ -16,8 +16,11 @@ import torch
 import train
 from model import ModelConfig, TransformerLM
 from tests.ranks import run_ranks
-from training import checkpoint, consolidate, sharded_checkpoint
-from training.data import batch_at, load_corpus, split_train_val
+from training.checkpoint import consolidate
+from training.checkpoint import format as checkpoint
+from training.checkpoint import sharded as sharded_checkpoint
+from training.data import open_source
+from training.data.sampling import batch_at
 from training.step import TrainingStep
 
 STEPS = 8
@@ -89,13 +92,13 @@ def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     assert ddp["step"] == STEPS
     assert_same_weights(ddp["model"], ref["model"])
     # Each rank trains on its own half of the global batch.
-    tokens = load_corpus(str(text_file), tmp_path).tokens
-    global_inputs, _ = batch_at(split_train_val(tokens, 16)[0], 4, 16, seed=0, step=0)
+    source = open_source(str(text_file), 16, tmp_path)
+    global_inputs = batch_at(source.train, 4, 16, seed=0, step=0).inputs
     halves = [torch.load(tmp_path / "logs" / f"rank{r}.first_inputs.pt") for r in (0, 1)]
     assert [h.shape for h in halves] == [(2, 16), (2, 16)]
     torch.testing.assert_close(torch.cat(halves), global_inputs, rtol=0, atol=0)
     # Rank 0 alone reports; the other rank stays silent.
-    assert "ddp over 2 ranks" in results[0].stdout and f"step {STEPS}/{STEPS}" in results[0].stdout
+    assert "ddp over 2 ranks" in results[0].stdout and f"train {STEPS}/{STEPS} steps" in results[0].stdout
     assert results[1].stdout == ""
 
 
@@ -108,12 +111,12 @@ def test_accumulated_micro_batches_train_like_one_process(tmp_path, text_file, o
     assert_same_training(rows(out), rows(one_process))
 
 
-@pytest.mark.parametrize("state", ["fp32", "bf16"])
-def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_file, state):
-    # Under bf16 autocast the Linears' fp32 weight gradients (model/layers.py) are what DDP all-reduces; with bf16
-    # optimizer state each rank's update also rewrites its weight copies, which the next forward reads.
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-bf16"])
+def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_file, optimizer):
+    # Under bf16 autocast the Linears' fp32 weight gradients (model/layers.py) are what DDP all-reduces; with
+    # adamw-bf16 (bf16 moments) each rank's update also rewrites its weight copies, which the next forward reads.
     one, ddp = tmp_path / "one", tmp_path / "ddp"
-    bf16 = ["--dtype", "bf16", "--optim-state-dtype", state]
+    bf16 = ["--dtype", "bf16", "--optimizer", optimizer]
     assert train.main(argv(text_file, one, *bf16)) == 0
     results = run_ranks(argv(text_file, ddp, *bf16, "--parallel", "ddp"), tmp_path / "logs")
     assert_ranks_exited(results, 0, 0)
@@ -135,7 +138,7 @@ def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_p
     assert "optimizer" not in full
     ref = checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")
     assert_same_weights(full["model"], ref["model"])
-    model = TransformerLM(ModelConfig(**full["model_config"]))
+    model = TransformerLM(ModelConfig.from_dict(full["config"]["model"]))
     model.load_state_dict(full["model"])  # strict: the documented keys, nothing missing or extra
 
 
@@ -159,8 +162,9 @@ def test_checkpoints_move_between_one_process_and_ddp(tmp_path, text_file, one_p
     assert_ranks_exited(results, 130, 130)
     assert checkpoint.load(out / "checkpoint-6.pt")["step"] == 6
 
-    # DDP -> one process: finish the run.
-    assert train.main(argv(text_file, out, "--resume")) == 0
+    # DDP -> one process: finish the run. A resume takes the run's settings (its config.json says ddp now), so one
+    # process is asked for.
+    assert train.main(argv(text_file, out, "--resume", "--parallel", "none")) == 0
     assert_same_training(rows(out), rows(one_process))
     assert_same_weights(checkpoint.load(out / f"checkpoint-{STEPS}.pt")["model"],
                         checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")["model"])
@@ -190,7 +194,7 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run,
     single.mkdir()
     shutil.copytree(dcp_dir, single / sharded_checkpoint.DCP_DIR_NAME)
     assert train.main(argv(text_file, single, "--resume")) == 1
-    assert "python -m training.consolidate" in capsys.readouterr().err
+    assert "python -m training.checkpoint.consolidate" in capsys.readouterr().err
     consolidate.consolidate(dcp_dir, single / checkpoint.CHECKPOINT_NAME)
     shutil.copy(out / "metrics.jsonl", single / "metrics.jsonl")
 
@@ -224,24 +228,29 @@ def test_torchrun_launches_train_py(tmp_path, text_file, one_process):
 
 
 @pytest.mark.parametrize(
-    "env, extra, message",
+    "code, env, extra, message",
     [
-        ({"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
-         ["--parallel", "ddp"], r"--batch-size 4 \(the global batch\) is not divisible by the world size 3"),
-        ({}, ["--parallel", "fsdp"], r"needs the process variables torchrun sets \(RANK, WORLD_SIZE, LOCAL_RANK, "
-                                     r"MASTER_ADDR, MASTER_PORT missing\); launch with `torchrun --nproc-per-node N"),
-        ({}, ["--resume"], r"no checkpoint to resume from in .*run \(looked for checkpoint-<step>.pt and "
-                           r"checkpoint.pt\)"),
+        (2, {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+         ["--parallel", "ddp"], r"--batch-size 4 \(the global batch\) is not divisible by the 3 ranks"),
+        (1, {}, ["--parallel", "fsdp"], r"needs the process variables torchrun sets \(RANK, WORLD_SIZE, LOCAL_RANK, "
+                                        r"MASTER_ADDR, MASTER_PORT missing\); launch with "
+                                        r"`torchrun --nproc-per-node N"),
+        (1, {}, ["--resume"], r"no checkpoint to resume from in .*run \(looked for checkpoint-<step>.pt and "
+                              r"checkpoint.pt\)"),
     ],
 )
-def test_launch_errors_name_the_problem(tmp_path, text_file, monkeypatch, capsys, env, extra, message):
+def test_launch_errors_name_the_problem(tmp_path, text_file, monkeypatch, capsys, code, env, extra, message):
     import re
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert train.main(argv(text_file, tmp_path / "run", *extra)) == 1
+    try:
+        status = train.main(argv(text_file, tmp_path / "run", *extra))
+    except SystemExit as e:  # a flag's error
+        status = e.code
+    assert status == code
     assert re.search(message, capsys.readouterr().err)
 
 

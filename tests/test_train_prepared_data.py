@@ -11,10 +11,10 @@ import pytest
 
 import evaluate
 import train
-from training.dataset import run_tokenizer
-from training.prepared import Settings, prepare
+from training.data.corpus import resolve
+from training.data.prepare import Settings, prepare
+from training.data.record import run_tokenizer
 from training.step import TrainingStep
-from training.text_corpus import resolve
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length", "32",
         "--batch-size", "4", "--device", "cpu", "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4",
@@ -33,6 +33,11 @@ def prepared(tmp_path_factory) -> dict[str, Path]:
     prepare(corpus, root / "bpe", Settings(vocab_size=512))
     prepare(corpus, root / "bytes", Settings(tokenizer="bytes", vocab_size=256))
     return {"bpe": root / "bpe", "bytes": root / "bytes"}
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*"))}
 
 
 def run(out: Path, data: Path, *extra: str) -> tuple[int, list[dict]]:
@@ -64,6 +69,13 @@ def test_bpe_beats_bytes_in_bits_per_byte_and_evaluation_repeats_the_log(prepare
         assert result["loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
         assert result["bpb"] == pytest.approx(logged["val_bpb"], rel=1e-6)
 
+    # Resuming on data of another tokenizer is refused, and the run keeps its tokenizer, data note and config.
+    before = snapshot(tmp_path / "bpe")
+    assert train.main([*TINY, "--data", str(prepared["bytes"]), "--out", str(tmp_path / "bpe"), "--resume",
+                       "--steps", "90"]) == 1
+    assert "was written for another model: --vocab-size 512 (asked 256)" in capsys.readouterr().err
+    assert snapshot(tmp_path / "bpe") == before
+
 
 def test_packed_documents_train_and_resume_exactly(prepared, tmp_path, monkeypatch):
     args = ("--steps", "12", "--log-every", "1", "--eval-every", "0", "--ckpt-every", "100", "--pack-documents")
@@ -72,11 +84,11 @@ def test_packed_documents_train_and_resume_exactly(prepared, tmp_path, monkeypat
 
     real_loss, calls = TrainingStep.loss, {"n": 0}
 
-    def loss_then_interrupt(*a):
+    def loss_then_interrupt(*a, **k):
         calls["n"] += 1
         if calls["n"] == 5:  # Ctrl-C during step 5: the run finishes that step, checkpoints, stops
             os.kill(os.getpid(), signal.SIGINT)
-        return real_loss(*a)
+        return real_loss(*a, **k)
 
     monkeypatch.setattr(TrainingStep, "loss", loss_then_interrupt)
     code, _ = run(tmp_path / "resumed", prepared["bpe"], *args)

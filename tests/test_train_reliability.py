@@ -26,8 +26,9 @@ import pytest
 import torch
 
 import train
-from training import checkpoint_files, metrics_file
-from training.run_dir import LOCK_NAME
+from training import metrics_file, trainer
+from training.checkpoint import files as checkpoint_files
+from training.run.directory import LOCK_NAME
 from training.step import TrainingStep
 
 T = ["--device", "cpu", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128",
@@ -150,8 +151,8 @@ def slow_writes(which: set[str]) -> Callable[[Callable[[bytes], None]], None]:
 
         real_step = TrainingStep.__call__
 
-        def step(self, x, y):
-            result = real_step(self, x, y)
+        def step(self, x, y, doc_ids=None):
+            result = real_step(self, x, y, doc_ids)
             notify(b"s")
             return result
 
@@ -232,7 +233,7 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{steps - 1}.pt", f"checkpoint-{steps}.pt",
-                                                     "metrics.jsonl"]
+                                                     "config.json", "metrics.jsonl"]
 
 
 def test_sigterm_and_sigusr1_checkpoint_the_step_reached(tmp_path, text_file):
@@ -278,7 +279,7 @@ def test_a_run_on_the_cpu_never_starts_cuda(tmp_path, text_file):
 
 
 def main(args: list[str], capsys) -> tuple[int, str]:
-    """train.main in this process: (exit status, stdout + stderr); argparse errors give status 2."""
+    """train.main in this process: (exit status, stdout + stderr); a flag's error gives status 2."""
     try:
         code = train.main(args)
     except SystemExit as e:
@@ -301,7 +302,7 @@ def test_a_new_run_into_a_run_is_refused_and_a_failed_start_touches_nothing(tmp_
         f"error: {out} already holds a run (checkpoint-2.pt, metrics.jsonl); continue it with --resume, or start "
         f"over with --overwrite (moves it to {out}.old-<UTC time>)")
     code, output = main(argv(text_file, out, "--steps", "2", "--attn", "sdpa-flash"), capsys)
-    assert code == 1 and "--attn sdpa-flash cannot run on cpu" in error_line(output)
+    assert code == 2 and "--attn sdpa-flash cannot run on cpu" in error_line(output)
     assert snapshot(out) == before
     code, output = main(argv(text_file, out, "--steps", "2", "--overwrite"), capsys)
     assert code == 0
@@ -335,8 +336,9 @@ def test_sibling_runs_share_the_token_cache_safely(tmp_path):
     # The default corpus (the standard library, tens of MB): long enough to write that runs started together
     # overlap. With one shared temporary name, some of them failed ("No such file", "cannot mmap an empty file").
     for trial in range(2):
-        children = [Forked([*T, "--out", str(tmp_path / f"{trial}" / f"run{i}"), "--steps", "1", "--no-checkpoint",
-                            "--eval-every", "0"], tmp_path / f"{trial}-{i}.log") for i in range(4)]
+        children = [Forked([*T, "--out", str(tmp_path / f"{trial}" / f"run{i}"), "--steps", "1",
+                            "--keep-checkpoints", "0", "--eval-every", "0"], tmp_path / f"{trial}-{i}.log")
+                    for i in range(4)]
         for child in children:
             assert child.wait() == 0, child.output
         cache = sorted(p.name for p in (tmp_path / f"{trial}" / ".token_cache").iterdir())
@@ -394,10 +396,11 @@ def test_a_full_disk_stops_with_one_line_after_a_checkpoint(tmp_path, text_file,
     (out / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     code, output = main(argv(text_file, out, "--steps", "10", "--log-every", "3", "--ckpt-every", "100"), capsys)
     assert code == 1 and "Traceback" not in output
+    # The first step logs at once (no warm-up on the CPU): its row is the first write that fails.
     assert error_line(output) == (
-        f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; saved a checkpoint at step 3 first: "
+        f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; saved a checkpoint at step 1 first: "
         f"resume with --resume --out {out} once there is room")
-    assert checkpoint_files.load_file(out / "checkpoint-3.pt")["step"] == 3
+    assert checkpoint_files.load_file(out / "checkpoint-1.pt")["step"] == 1
 
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, text_file, capsys, monkeypatch):
@@ -423,9 +426,11 @@ def test_resume_of_a_finished_run_or_below_its_step_says_so(tmp_path, text_file,
     out = tmp_path / "run"
     assert main(argv(text_file, out, "--steps", "4"), capsys)[0] == 0
     code, output = main(argv(text_file, out, "--steps", "4", "--resume"), capsys)
-    assert code == 0 and output.splitlines()[-1] == (
-        f"nothing to do: {out / 'checkpoint-4.pt'} is at step 4, which is --steps 4; pass a larger --steps to "
-        "train on")
+    assert code == 0 and "Traceback" not in output
+    lines = output.splitlines()
+    assert lines[-5:-3] == [f"nothing to do: {out / 'checkpoint-4.pt'} is at step 4, which is --steps 4; pass a larger "
+                            "--steps to train on", "done: step 4 of 4 in 0.0 s"]
+    assert lines[-3] == f"checkpoint: {out / 'checkpoint-4.pt'}" and lines[-1].endswith(f"--out {out} --steps 8")
     code, output = main(argv(text_file, out, "--steps", "3", "--resume"), capsys)
     assert code == 1 and error_line(output) == (
         f"error: --steps 3 is below the step of {out / 'checkpoint-4.pt'} (4); pass --steps 4 or more")
@@ -436,9 +441,9 @@ def test_resume_with_another_attention_backend_works_and_says_so(tmp_path, text_
     assert main(argv(text_file, out, "--steps", "2", "--attn", "sdpa"), capsys)[0] == 0
     code, output = main(argv(text_file, out, "--steps", "3", "--attn", "naive", "--resume"), capsys)
     assert code == 0, output
-    assert ("resuming with --attn naive; the checkpoint was written with --attn sdpa (the weights do not depend "
-            "on it)") in output
-    assert checkpoint_files.load_file(out / "checkpoint-3.pt")["model_config"]["attn"] == "naive"
+    assert ("resuming with --attn naive; the checkpoint was written with sdpa (the weights do not depend on it)"
+            in output)
+    assert checkpoint_files.load_file(out / "checkpoint-3.pt")["config"]["execution"]["attn"] == "naive"
 
 
 def test_text_that_is_not_utf8_is_named(tmp_path, capsys):
@@ -491,10 +496,10 @@ def test_out_that_is_a_file_or_not_writable(tmp_path, text_file, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--eval-every", "-1"], "--eval-every must be >= 0 (0: evaluate only at the end), got -1"),
-    (["--ckpt-every", "-3"], "--ckpt-every must be >= 0 (0: checkpoint only at the end), got -3"),
-    (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0 disables clipping), got -1"),
-    (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1 (checkpoints kept on disk), got 0"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0, got -1"),
+    (["--ckpt-every", "-3"], "--ckpt-every must be >= 0, got -3"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0, got -1"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints must be >= 0, got -1"),
     (["--resume", "--overwrite"], "--resume continues the run in --out and --overwrite moves it aside"),
 ])
 def test_negative_and_contradictory_flags_are_refused(tmp_path, text_file, capsys, flags, message):
@@ -518,9 +523,9 @@ def test_a_backend_that_cannot_run_is_refused_before_the_model_is_built(tmp_path
     def never(*a, **k):
         raise AssertionError("built or loaded before the backend was checked")
 
-    monkeypatch.setattr(train, "TransformerLM", never)
-    monkeypatch.setattr(train, "load_run_data", never)
+    monkeypatch.setattr(trainer, "TransformerLM", never)
+    monkeypatch.setattr(trainer, "open_source", never)
     code, output = main(argv(text_file, tmp_path / "run", "--attn", attn), capsys)
-    assert code == 1 and error_line(output).startswith(f"error: --attn {attn} cannot run on cpu with float32 for "
+    assert code == 2 and error_line(output).startswith(f"error: --attn {attn} cannot run on cpu with float32 for "
                                                        f"training: {reason}")
     assert not (tmp_path / "run").exists()

@@ -85,6 +85,7 @@ class Trainer:
             self.model = TransformerLM(config.model, config.execution.attn)
         self.step_fn = build_step(self.model, config, self.ctx)
         self.state = RunState()
+        self.logger: MetricsLogger | NullLogger = NullLogger()  # fit() opens the run's own (none if nothing to do)
         self.to_do = self._resume() if config.run.resume else True
         if self.ctx.is_main:  # every input checked and the checkpoint loaded: now the directory changes
             directory.prepare(self.out, config.run.overwrite, self.warn)
