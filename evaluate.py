@@ -20,15 +20,15 @@ from attention import UnknownBackendError
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.inference import load_model, open_checkpoint, run_config_of
 from training.cli import OneLineParser, add_field
-from training.config import ConfigError, resolve
+from training.config import ConfigError, default_device, resolve
 from training.data import DataError, open_source
-from training.data.record import check_same_tokenizer
+from training.data.record import check_data_unchanged, check_same_tokenizer
 from training.data.sampling import Sampler, sequential_batches
 from training.data.tokenizer import TokenizerError
 from training.evaluation import Evaluation, evaluate
 from training.precision import autocast
 from training.progress import Progress
-from training.run.failures import run_main
+from training.run.failures import out_of_memory_message, run_main
 
 EXPECTED = (ConfigError, CheckpointError, DataError, TokenizerError, UnknownBackendError, FileNotFoundError)
 
@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                   + ("bf16 on CUDA, fp32 on the CPU" if name == "dtype" else "the run's" if name == "attn" else
                      "cuda if available, else cpu"))
     add_field(p, "run", "allow_pickle", shown=True, dest="allow_pickle")
+    add_field(p, "data", "data_changed", shown=True, dest="data_changed",
+              help="evaluate on the run's --data although it is no longer the data the run trained on")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     return p
 
@@ -67,6 +69,8 @@ def run_evaluation(args: argparse.Namespace) -> tuple[Evaluation, dict]:
     source = open_source(spec, config.model.context_length, path.parent.parent / ".token_cache",
                          run.data.vocab_size, run.run.seed)
     check_same_tokenizer(path.parent, source, spec)
+    if args.data is None:  # the run's own data: still what it trained on?
+        check_data_unchanged(path.parent, source, bool(args.data_changed))
     if source.vocab_size is not None and source.vocab_size > config.model.vocab_size:
         raise DataError(f"{spec or 'the built-in corpus'} has a vocabulary of {source.vocab_size} tokens, the "
                         f"checkpoint's model {config.model.vocab_size}: it was trained on other tokens")
@@ -107,7 +111,9 @@ def report(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_main(lambda: report(args), EXPECTED)
+    device = torch.device(args.device or default_device())
+    return run_main(lambda: report(args), EXPECTED,
+                    memory=lambda e: out_of_memory_message(e, device, "this --batch-size", "--batch-size"))
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ from model.generation import Decoder, Sampling, for_inference, generate
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.inference import load_model, open_checkpoint, run_config_of
 from training.cli import OneLineParser, add_field
-from training.config import DTYPES, ConfigError, default_dtype, parse_device
+from training.config import DTYPES, ConfigError, default_device, default_dtype, parse_device
 from training.data import DataError
 from training.data.record import run_tokenizer
 from training.data.tokenizer import ByteTokenizer, TokenizerError
-from training.run.failures import run_main
+from training.run.failures import out_of_memory_message, run_main
 
 EXPECTED = (ConfigError, CheckpointError, DataError, TokenizerError, UnknownBackendError, ValueError)
 
@@ -173,7 +173,9 @@ def sample(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_main(lambda: sample(args), EXPECTED)
+    device = torch.device(args.device or default_device())
+    return run_main(lambda: sample(args), EXPECTED,
+                    memory=lambda e: out_of_memory_message(e, device, "this model", "--max-new-tokens, or use --dtype bf16"))
 
 
 if __name__ == "__main__":

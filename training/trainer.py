@@ -237,6 +237,8 @@ class Trainer:
                            f"{loss_value if not math.isfinite(loss_value) else norm} at step {state.step}; stopping. "
                            f"{self._last_good()}")
         metrics = {"loss": loss_value, "lr": lr, "grad_norm": norm, **self._speed(window)}
+        if self.data_change is not None:  # the first row after a resume on other data says so
+            metrics["data_changed"], self.data_change = self.data_change, None
         if self._eval_due():
             metrics.update(self.evaluate().metrics("val"))
         self._log(metrics)

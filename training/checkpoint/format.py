@@ -87,7 +87,7 @@ def _join(rest: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def checksum(t: torch.Tensor) -> str:
-    return f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy()) if t.numel() else 0:08x}"
+    return f"{zlib.crc32(t.reshape(-1).contiguous().view(torch.uint8).numpy()) if t.numel() else 0:08x}"
 
 
 def save(state: dict[str, Any], path: Path) -> None:
@@ -101,6 +101,7 @@ def save(state: dict[str, Any], path: Path) -> None:
     tmp = temp_path(path)
     try:
         save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta)})
+        os.chmod(tmp, 0o644)  # as the run's other files: readable by those the run is shared with
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -60,6 +60,15 @@ def check_resume_data(out: Path, source: DataSource, changed: bool) -> Optional[
     return line
 
 
+def check_data_unchanged(run_dir: Path, source: DataSource, changed: bool) -> None:
+    """evaluate.py on a run's own --data: the data must still be what the run trained on, unless `changed`."""
+    recorded = data_note(run_dir)
+    if recorded is None or same_data(recorded, source) or changed:
+        return
+    raise DataError(f"{source.description} is no longer the data the run in {run_dir} trained on (its content changed "
+                    f"since; recorded in {run_dir / DATA_NOTE}); pass --data-changed to evaluate on it anyway")
+
+
 def record_data(source: DataSource, out: Path, change: Optional[str] = None) -> None:
     """Write data.json (and copy a prepared directory's tokenizer); a meant change keeps the earlier record."""
     note = note_of(source)

@@ -34,16 +34,18 @@ def is_cpu_oom(e: BaseException) -> bool:
         isinstance(e, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(e))
 
 
-def out_of_memory_message(e: BaseException, device: torch.device, what: str) -> Optional[str]:
-    """The one line for an allocation that did not fit (`what`: the configuration, in flags); None if `e` is not
-    one."""
+def out_of_memory_message(e: BaseException, device: torch.device, what: str,
+                          lower: str = MEMORY_FLAGS) -> Optional[str]:
+    """The one line for an allocation that did not fit (`what`: the configuration, in flags; `lower`: the flags that
+    lower it); None if `e` is not one."""
     if isinstance(e, torch.OutOfMemoryError) and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 1024**3
         figures = ", ".join(f"{k} {v:.2f}" for k, v in cuda_memory_gib(device).items())
-        return (f"out of GPU memory on {torch.cuda.get_device_name(device)} ({total:.1f} GiB; {figures}) with "
-                f"{what}; lower {MEMORY_FLAGS}, or use --dtype bf16 or --parallel fsdp over more GPUs")
+        more = ", or use --dtype bf16 or --parallel fsdp over more GPUs" if lower == MEMORY_FLAGS else ""
+        return f"out of GPU memory on {torch.cuda.get_device_name(device)} ({total:.1f} GiB; {figures}) with " \
+               f"{what}; lower {lower}{more}"
     if is_cpu_oom(e):
-        return f"out of CPU memory with {what}; lower {MEMORY_FLAGS}"
+        return f"out of CPU memory with {what}; lower {lower}"
     return None
 
 
