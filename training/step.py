@@ -67,12 +67,16 @@ def make_optimizer(model: nn.Module, config: Config, device: torch.device,
 
 
 def set_lr(optimizer: torch.optim.Optimizer | OverlappedOptimizer, lr: float) -> None:
-    """Every group's learning rate; a tensor learning rate (CUDA graphs) is written in place."""
+    """Every group's learning rate; a tensor learning rate (CUDA graphs), which the groups share, is written in place
+    once: a fill per group (one per parameter when the optimizer steps in the backward) would be a kernel each."""
+    filled: set[int] = set()
     for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
+        value = group["lr"]
+        if not isinstance(value, torch.Tensor):
             group["lr"] = lr
+        elif id(value) not in filled:
+            value.fill_(lr)
+            filled.add(id(value))
 
 
 @dataclass
@@ -122,14 +126,16 @@ class TrainingStep:
         """The backward (of the scaled loss under fp16); an optimizer overlapped with it steps inside."""
         self.scaler.scale(loss).backward()
 
+    def gradient_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients the model holds."""
+        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+
     def optimizer_step(self) -> Optional[torch.Tensor]:
-        """Unscale (fp16), clip, step; returns the global gradient norm, or None when not asked for and not needed.
+        """Unscale (fp16), clip, step; returns the global gradient norm when clipping computed it, else None.
         The scaler is a no-op unless fp16, which a CUDA graph refuses: its inf checks read values on the host."""
         self.scaler.unscale_(self.optimizer)
         clip = self.config.optim.grad_clip
-        norm = None
-        if clip > 0 or self.grad_norm:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        norm = self.gradient_norm() if clip > 0 else None
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0) if clip > 0 else None  # clip_grad_norm_'s coefficient
         self.scaler.step(self.optimizer, clip_coef=coef)
         self.scaler.update()
@@ -151,16 +157,21 @@ class TrainingStep:
         norm = self.optimizer_step()
         return (loss,) if norm is None else (loss, norm)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor,
-                 doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One whole step, replayed as a CUDA graph when so built; (loss, grad norm or None), gradients cleared."""
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                 want_norm: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One whole step, replayed as a CUDA graph when so built; (loss, grad norm or None), gradients cleared.
+
+        Without clipping the step computes no norm; with `want_norm` (and grad_norm) it is computed from the
+        gradients after the step, so that steps that log nothing (and a captured graph) do not pay for it."""
         inputs = (x, y) if doc_ids is None else (x, y, doc_ids)
-        if self.graphed is not None:
-            out = self.graphed(*inputs)  # sets the gradients to None itself before each eager step
-        else:
-            out = self.eager_step(*inputs)
+        # A graph keeps its gradients in its pool until the next replay; an eager step's are cleared after it.
+        out = self.graphed(*inputs) if self.graphed is not None else self.eager_step(*inputs)
+        norm = out[1] if len(out) > 1 else None
+        if norm is None and want_norm and self.grad_norm:
+            norm = self.gradient_norm()
+        if self.graphed is None:
             self.optimizer.zero_grad(set_to_none=True)
-        return out[0], (out[1] if len(out) > 1 else None)
+        return out[0], norm
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -168,9 +179,11 @@ class TrainingStep:
     def match_lr_kind(self) -> None:
         """After loading an optimizer state: a learning rate of the other kind (a tensor under a CUDA graph, a float
         otherwise) gets this step's kind back."""
-        for group in self.optimizer.param_groups:
-            lr = float(group["lr"])
-            group["lr"] = torch.tensor(lr, device=self.device) if self.config.execution.cuda_graph else lr
+        groups = self.optimizer.param_groups
+        lr = float(groups[0]["lr"]) if groups else 0.0
+        shared = torch.tensor(lr, device=self.device) if self.config.execution.cuda_graph else lr
+        for group in groups:
+            group["lr"] = shared
 
 
 def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = None, grad_norm: bool = True,

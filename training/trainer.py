@@ -171,13 +171,14 @@ class Trainer:
             progress.write(f"warming up: the first {warm} step{'s' * (warm > 1)} compile"
                            f"{' and capture the CUDA graph' if self.config.execution.cuda_graph else ''} (timed apart)")
         while state.step < run.steps:
-            loss, grad_norm, lr = self._train_step(state.step)
+            # Without a warm-up, the first step reports at once, so that a piped run says something.
+            early = not warm and state.step == first
+            loss, grad_norm, lr = self._train_step(state.step, early or self._due(state.step + 1))
             state.step += 1
             window.steps += 1
             progress.update(1)
             stop_now = distributed.any_rank(stop.requested, self.ctx)  # every rank stops at the same step
-            # Without a warm-up, the first step reports at once, so that a piped run says something.
-            due = self._due(stop_now) or (not warm and state.step == first + 1)
+            due = early or self._due(state.step, stop_now)
             if warm and state.step == first + warm:
                 self._end_warm_up(window, progress, warm, reset=not due)
             if not due:
@@ -191,12 +192,12 @@ class Trainer:
             window.start, window.steps = time.perf_counter(), 0
         state.exit_code = 0
 
-    def _train_step(self, step: int) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
+    def _train_step(self, step: int, report: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
         o = self.config.optim
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, self.config.run.steps)
         self.step_fn.set_lr(lr)
         batch = self.sampler.train(step)
-        loss, grad_norm = self.step_fn(batch.inputs, batch.targets, batch.doc_ids)
+        loss, grad_norm = self.step_fn(batch.inputs, batch.targets, batch.doc_ids, want_norm=report)
         return loss, grad_norm, lr
 
     def _end_warm_up(self, window: "Window", progress: Progress, warm: int, reset: bool) -> None:
@@ -210,19 +211,19 @@ class Trainer:
             window.start, window.steps = time.perf_counter(), 0
         progress.restart_clock()
 
-    def _due(self, stop_now: bool) -> bool:
-        """Whether this step logs (or checkpoints): every --log-every steps, at evaluations and checkpoints, the last
-        step and a stop."""
-        run, step = self.config.run, self.state.step
-        return (step % run.log_every == 0 or step == run.steps or stop_now or self._eval_due()
-                or self._checkpoint_due(stop_now))
+    def _due(self, step: int, stop_now: bool = False) -> bool:
+        """Whether the step that ends at `step` logs (or checkpoints): every --log-every steps, at evaluations and
+        checkpoints, the last step and a stop."""
+        run = self.config.run
+        return (step % run.log_every == 0 or step == run.steps or stop_now or self._eval_due(step)
+                or self._checkpoint_due(step, stop_now))
 
-    def _eval_due(self) -> bool:
-        run, step = self.config.run, self.state.step
+    def _eval_due(self, step: int) -> bool:
+        run = self.config.run
         return step == run.steps or (run.eval_every > 0 and step % run.eval_every == 0)
 
-    def _checkpoint_due(self, stop_now: bool) -> bool:
-        run, step = self.config.run, self.state.step
+    def _checkpoint_due(self, step: int, stop_now: bool) -> bool:
+        run = self.config.run
         return run.keep_checkpoints > 0 and (step == run.steps or stop_now
                                              or (run.ckpt_every > 0 and step % run.ckpt_every == 0))
 
@@ -239,12 +240,12 @@ class Trainer:
         metrics = {"loss": loss_value, "lr": lr, "grad_norm": norm, **self._speed(window)}
         if self.data_change is not None:  # the first row after a resume on other data says so
             metrics["data_changed"], self.data_change = self.data_change, None
-        if self._eval_due():
+        if self._eval_due(state.step):
             metrics.update(self.evaluate().metrics("val"))
         self._log(metrics)
         progress.report(format_postfix(metrics))
         state.metrics = metrics
-        if self._checkpoint_due(stop_now):
+        if self._checkpoint_due(state.step, stop_now):
             self.logger.sync()  # the rows up to this step are on disk before the checkpoint that covers them
             self._save()
         if self.ctx.device.type == "cpu":
