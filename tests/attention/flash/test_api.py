@@ -209,11 +209,11 @@ def test_inductor_launches_the_kernels_itself(monkeypatch):
 
 def test_model_with_flash_trains_under_regional_compile():
     torch._dynamo.reset()
-    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, vocab_size=97, context_length=48, attn="flash")
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, vocab_size=97, context_length=48)
     torch.manual_seed(0)
     with DEVICE:
-        eager = TransformerLM(cfg)
-        compiled = TransformerLM(cfg)
+        eager = TransformerLM(cfg, "flash")
+        compiled = TransformerLM(cfg, "flash")
     compiled.load_state_dict(eager.state_dict())
     compile_regions(compiled)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), device=DEVICE)
