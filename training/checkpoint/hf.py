@@ -67,7 +67,7 @@ def model_config_of(directory: Path) -> ModelConfig:
         raise CheckpointError(f"{directory / CONFIG_FILE}: {e}") from None
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
     """The safetensors files holding the weights: model.safetensors, or the shards its index names."""
     if (directory / WEIGHTS_FILE).is_file():
         return [directory / WEIGHTS_FILE]
@@ -90,7 +90,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
-    for path in _weight_files(directory):
+    for path in weight_files(directory):
         try:
             weights.update(load_file(str(path)))
         except (OSError, SafetensorError) as e:
