@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import evaluate
 import export
 import sample
 import train
@@ -91,6 +92,10 @@ def test_a_run_starts_from_the_weights_and_records_the_tokenizer(llama_dir, tmp_
     assert sample.main(["--out", str(tmp_path / "run"), "--prompt", "def", "--max-new-tokens", "4",
                         "--device", "cpu", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("def")
+    # evaluate.py scores the run on its own token file, which names no tokenizer: taken as the recorded one's.
+    assert evaluate.main([str(tmp_path / "run"), "--json", "--eval-batches", "1"]) == 0
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
 
     # A resume continues from its checkpoint: --init-from (here another directory) is not read again.
     argv = [*argv[:argv.index("--steps")], "--steps", "3", "--resume", "--init-from", str(tmp_path / "nowhere"),
