@@ -111,7 +111,8 @@ def open_hf(directory: Path) -> tuple[Path, dict[str, Any]]:
     """A Hugging Face directory as inference.open_checkpoint's (path, state): the weights file and {"model", "step",
     "config"}; config's model section comes from config.json, the rest from what an export kept (else defaults)."""
     cfg, model = read_model(directory)
-    ours = read_config(directory).get(OURS) or {}
+    ours = read_config(directory).get(OURS)
+    ours = ours if isinstance(ours, dict) else {}
     saved = ours.get("config") if isinstance(ours.get("config"), dict) else {}
     # Only the fields this version knows: a run of a later version may have more.
     sections = {name: {k: v for k, v in values.items() if k in {f.name for f in fields(SECTIONS[name])}}
