@@ -19,6 +19,7 @@ from training.checkpoint.files import CheckpointError
 from training.checkpoint.resume import ResumeError
 from training.config import ConfigError, Resolved, resolve
 from training.data import DataError
+from training.init_from import init_config
 from training.metrics_file import MetricsError
 from training.parallel import distributed
 from training.parallel.distributed import DistributedError
@@ -35,7 +36,7 @@ def parse(argv: Optional[list[str]]) -> Resolved:
     """The resolved configuration of the command line; a bad flag exits 2 with one line."""
     try:
         config, explicit = cli.parse(argv, "train.py", __doc__)
-        return resolve(config, explicit)
+        return resolve(init_config(config, explicit), explicit)  # --init-from: the model from its config.json
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -66,7 +67,11 @@ def train(resolved: Resolved) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    resolved = parse(argv)
+    try:
+        resolved = parse(argv)
+    except CheckpointError as e:  # --init-from's directory, which its model comes from, cannot be read
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     config = resolved.config
     prefix = distributed.error_prefix(config.execution.parallel)  # '[rank r] ' when several processes print
     what = (f"--batch-size {config.data.batch_size} --context-length {config.model.context_length} --d-model "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import hf_llama
 from model.config import ModelConfig
 
 
@@ -31,12 +32,18 @@ class HFLlama(nn.Module):
         super().__init__()
         LlamaConfig, LlamaForCausalLM = _llama_classes()
         self.cfg = cfg
+<<<<<<< HEAD
         self.hf = LlamaForCausalLM(LlamaConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
             max_position_embeddings=cfg.context_length, rope_theta=cfg.rope_theta, rms_norm_eps=1e-5,
             tie_word_embeddings=False, attention_bias=False, mlp_bias=False, use_cache=False,
             attn_implementation="sdpa"))
+=======
+        # The same architecture as ours (model/hf_llama.py maps the config), GQA included.
+        self.hf = LlamaForCausalLM(LlamaConfig(**hf_llama.llama_config(cfg), use_cache=False,
+                                               attn_implementation="sdpa"))
+>>>>>>> hf-interop
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.hf(input_ids=ids, use_cache=False).logits  # (batch, seq, vocab)
@@ -51,6 +58,7 @@ class HFLlama(nn.Module):
 
 
 def llama_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+<<<<<<< HEAD
     """Our TransformerLM's weights under LlamaForCausalLM's names, so both compute the same function.
 
     Our RoPE rotates the pairs (2i, 2i+1) of a head, Llama's `rotate_half` the pairs (i, i + d_head/2), at the same
@@ -78,6 +86,11 @@ def llama_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             prefix + "mlp.down_proj.weight": block.ffn.w2.weight,
         })
     return {name: t.detach().clone() for name, t in state.items()}
+=======
+    """Our TransformerLM's weights under LlamaForCausalLM's names, so both compute the same function (copies: the
+    mapping, with its RoPE row order, is model/hf_llama.py's)."""
+    return {name: t.detach().clone() for name, t in hf_llama.to_llama(model.state_dict(), model.cfg).items()}
+>>>>>>> hf-interop
 
 
 def llama_from(model: nn.Module) -> HFLlama:

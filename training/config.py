@@ -103,6 +103,9 @@ class RunConfig:
     resume: bool = option(False, "continue the run in --out from its newest good checkpoint, with its configuration "
                                  "(flags given override what may change)", True)
     overwrite: bool = option(False, "start over in an --out that holds a run (moved to <out>.old-<time>)", True)
+    init_from: Optional[str] = option(None, "start from the weights (and tokenizer) of a local Hugging Face Llama "
+                                            "directory, whose config.json gives the model (training/init_from.py); "
+                                            "a resumed run keeps its own checkpoint")
     eval_every: int = option(200, "validation loss and bits per byte every N steps (0: at the end)", True)
     eval_batches: int = option(10, "validation batches per evaluation")
     log_every: int = option(10, "log metrics every N steps")

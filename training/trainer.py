@@ -25,6 +25,7 @@ from training.data import open_source, vocab_of
 from training.data.record import check_resume_data, record_data
 from training.data.sampling import Sampler
 from training.evaluation import Evaluation, evaluate
+from training.init_from import Initialisation
 from training.logger import MetricsLogger, NullLogger
 from training.metrics import cuda_memory_gib, flops_per_token, mfu
 from training.metrics_file import METRICS_FILE, MetricsError, cut_after
@@ -73,7 +74,11 @@ class Trainer:
         with distributed.main_first(self.ctx):  # rank 0 builds the token cache, the other ranks then read it
             self.source = open_source(config.data.data, config.model.context_length, self.out.parent / ".token_cache",
                                       config.data.vocab_size, config.run.seed)
-        vocab = vocab_of(self.source, config.data.vocab_size)
+        self.init = Initialisation.of(config)  # --init-from: weights (and tokenizer) of a Hugging Face directory
+        if self.init:
+            self.init.check_data(self.source, config.data.data)
+        # A model from a Hugging Face directory (now, or resumed) keeps its vocabulary, which may exceed the data's.
+        vocab = vocab_of(self.source, config.model.vocab_size if config.run.init_from else config.data.vocab_size)
         self.config = config = config.replace(model={"vocab_size": vocab})
         self.data_change = (check_resume_data(self.out, self.source, config.data.data_changed)
                             if config.run.resume else None)
@@ -83,13 +88,15 @@ class Trainer:
                             else torch.as_tensor(self.source.token_bytes, device=self.ctx.device))
         with self.ctx.device:  # initialised on the device itself: quick for large models, the same on every rank
             self.model = TransformerLM(config.model, config.execution.attn)
+        if self.init:  # before the step wraps, shards or compiles the model
+            self.init.load_into(self.model)
         self.step_fn = build_step(self.model, config, self.ctx)
         self.state = RunState()
         self.logger: MetricsLogger | NullLogger = NullLogger()  # fit() opens the run's own (none if nothing to do)
         self.to_do = self._resume() if config.run.resume else True
         if self.ctx.is_main:  # every input checked and the checkpoint loaded: now the directory changes
             directory.prepare(self.out, config.run.overwrite, self.warn)
-            record_data(self.source, self.out, self.data_change)
+            record_data(self.source, self.out, self.data_change, self.init.directory if self.init else None)
             write_config(config, self.out)
 
     # ------------------------------------------------------------------------------------------------ set-up
@@ -130,7 +137,8 @@ class Trainer:
                 f"{', packed by documents' if c.data.pack_documents else ''}; "
                 f"{flops_per_token(m) / 1e9:.2f} GFLOP per token\n"
                 f"steps {self.state.step} to {c.run.steps}, {c.optim.optimizer} lr {c.optim.lr:g} (warm-up "
-                f"{c.optim.warmup_steps}, cosine to {c.optim.min_lr:g}); writing {self.out}")
+                f"{c.optim.warmup_steps}, cosine to {c.optim.min_lr:g}); writing {self.out}"
+                + (f"\n{self.init.describe()}" if self.init else ""))
 
     # ------------------------------------------------------------------------------------------------ the loop
 

@@ -1,5 +1,5 @@
-"""A trained model for sampling and evaluation: the checkpoint of a run (its newest that loads, or a named file), the
-run's configuration, and the model with its weights."""
+"""A trained model for sampling and evaluation: the checkpoint of a run (its newest that loads, or a named file), or a
+Hugging Face Llama directory (training/checkpoint/hf.py), the run's configuration, and the model with its weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from model import ModelConfig, TransformerLM
 from training.checkpoint import files as checkpoint_files
-from training.checkpoint import sharded
+from training.checkpoint import hf, sharded
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.resume import model_config_of
 from training.cli import apply, flatten
@@ -18,12 +18,19 @@ from training.config import Config
 
 
 def open_checkpoint(run: Path, warn: Optional[Callable[[str], None]] = None,
-                    allow_pickle: bool = False) -> tuple[Path, dict[str, Any]]:
-    """(path, state) of a checkpoint file, or of the newest checkpoint of a run directory that loads (intact, with
-    finite weights); an earlier version's pickled checkpoint only with allow_pickle."""
+                    allow_pickle: bool = False, read_sharded: bool = False) -> tuple[Path, dict[str, Any]]:
+    """(path, state) of a checkpoint file, of the newest checkpoint of a run directory that loads (intact, with finite
+    weights), or of a Hugging Face directory; an earlier version's pickled checkpoint only with allow_pickle.
+    read_sharded: an FSDP run's sharded checkpoint (or that directory) is read whole, weights only."""
+    if hf.is_hf_dir(run):
+        return hf.open_hf(run)
+    if read_sharded and sharded.exists(run):
+        return run, _sharded_weights(run)
     if run.is_dir():
         if not checkpoint_files.candidates(run):
             dcp = run / sharded.DCP_DIR_NAME
+            if read_sharded and sharded.exists(dcp):
+                return dcp, _sharded_weights(dcp)
             if dcp.exists():
                 raise CheckpointError(f"{run} holds only a sharded FSDP checkpoint; make one file of it with `python -m "
                                       f"training.checkpoint.consolidate {dcp} {run}/consolidated.safetensors "
@@ -33,6 +40,12 @@ def open_checkpoint(run: Path, warn: Optional[Callable[[str], None]] = None,
     if not run.is_file():
         raise CheckpointError(f"no checkpoint at {run}")
     return run, checkpoint_files.load_named(run, allow_pickle)
+
+
+def _sharded_weights(dcp: Path) -> dict[str, Any]:
+    """A sharded checkpoint's weights (without the optimizer's moments) and extras, in this one process."""
+    extras = {k: v for k, v in sharded.load_extras(dcp).items() if k != "optimizer"}
+    return {"model": sharded.load_full(dcp, keys={"model"})["model"], **extras}
 
 
 def run_config_of(state: dict[str, Any]) -> Config:

@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from training.data.hf_tokenizer import hf_data_note
 from training.data.source import DataError, DataSource
-from training.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from training.data.tokenizer import EOD_TOKEN, TOKENIZER_FILE, Tokenizer, load_tokenizer
 from training.run.files import write_atomic
 
 DATA_NOTE = "data.json"
@@ -22,10 +23,11 @@ _TOKENIZER_KEYS = ("corpus", "tokenizer", "tokenizer_fingerprint", "vocab_size",
 
 
 def data_note(run_dir: Path) -> Optional[dict]:
-    """What a run recorded of its data; None for a run of a version that did not record it."""
+    """What a run recorded of its data; None for a run of a version that did not record it. A Hugging Face directory
+    (export.py's, or one from elsewhere) records no data: its tokenizer.json speaks for it."""
     path = run_dir / DATA_NOTE
     if not path.is_file():
-        return None
+        return hf_data_note(run_dir)
     try:
         note = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -69,18 +71,25 @@ def check_data_unchanged(run_dir: Path, source: DataSource, changed: bool) -> No
                     f"since; recorded in {run_dir / DATA_NOTE}); pass --data-changed to evaluate on it anyway")
 
 
-def record_data(source: DataSource, out: Path, change: Optional[str] = None) -> None:
-    """Write data.json (and copy a prepared directory's tokenizer); a meant change keeps the earlier record."""
+def record_data(source: DataSource, out: Path, change: Optional[str] = None,
+                tokenizer_from: Optional[Path] = None) -> None:
+    """Write data.json (and copy a prepared directory's tokenizer, or that of the Hugging Face directory the run
+    starts from when its data names none); a meant change keeps the earlier record."""
     note = note_of(source)
-    earlier = data_note(out)
+    earlier = data_note(out) if (out / DATA_NOTE).is_file() else None
     if earlier is not None and change is not None:
         note["history"] = [*earlier.pop("history", []), {**earlier, "replaced_because": change}]
-    elif earlier is not None and earlier.get("history"):
-        note["history"] = earlier["history"]
+    elif earlier is not None:
+        note = {**{k: v for k, v in earlier.items() if k in ("tokenizer_from", "eod_token") or k in _TOKENIZER_KEYS},
+                **note, **({"history": earlier["history"]} if earlier.get("history") else {})}
+    tokenizer_file = None
     if source.identity.get("kind") == "prepared":
         tokenizer_file = Path(source.identity["source"]) / TOKENIZER_FILE
-        if tokenizer_file.exists():
-            write_atomic(out / TOKENIZER_FILE, lambda f: f.write(tokenizer_file.read_bytes()))
+    elif tokenizer_from is not None and source.identity.get("kind") == "tokens" and hf_data_note(tokenizer_from):
+        tokenizer_file = tokenizer_from / TOKENIZER_FILE
+        note = {**hf_data_note(tokenizer_from), **note, "tokenizer_from": str(tokenizer_from)}
+    if tokenizer_file is not None and tokenizer_file.exists():
+        write_atomic(out / TOKENIZER_FILE, lambda f: f.write(tokenizer_file.read_bytes()))
     write_atomic(out / DATA_NOTE, lambda f: f.write((json.dumps(note, indent=2) + "\n").encode()))
 
 
@@ -90,8 +99,8 @@ def run_tokenizer(run_dir: Path) -> Optional[Tokenizer]:
     note = data_note(run_dir)
     if note is None or note.get("tokenizer") is None:
         return None
-    tokenizer = load_tokenizer(note["tokenizer"], run_dir)
-    if tokenizer.fingerprint() != note["tokenizer_fingerprint"]:
+    tokenizer = load_tokenizer(note["tokenizer"], run_dir, note.get("eod_token", EOD_TOKEN))
+    if note.get("tokenizer_fingerprint") and tokenizer.fingerprint() != note["tokenizer_fingerprint"]:
         raise DataError(f"{run_dir / TOKENIZER_FILE} is not the tokenizer the run trained with (fingerprint "
                         f"{tokenizer.fingerprint()}, recorded {note['tokenizer_fingerprint']} in {run_dir / DATA_NOTE})")
     return tokenizer
@@ -108,6 +117,8 @@ def check_same_tokenizer(run_dir: Path, source: DataSource, spec: Optional[str])
         if prepared and ours["tokenizer"] != "bytes":
             raise DataError(f"{name} holds {ours['tokenizer']} tokens, but the run in {run_dir} was not trained on "
                             "prepared data (it records no tokenizer)")
+        return
+    if ours.get("kind") == "tokens":  # token files name no tokenizer: taken as the run's (their ids are checked)
         return
     if not prepared:
         if trained_on != "bytes":

@@ -87,10 +87,11 @@ class BPETokenizer:
 
     kind = "bpe"
 
-    def __init__(self, hf: HFTokenizer):
-        eod = hf.token_to_id(EOD_TOKEN)
+    def __init__(self, hf: HFTokenizer, eod_token: str = EOD_TOKEN):
+        # eod_token: ours, or the eos token a Hugging Face model directory names (training/data/hf_tokenizer.py).
+        eod = hf.token_to_id(eod_token)
         if eod is None:
-            raise TokenizerError(f"the tokenizer has no end-of-document token {EOD_TOKEN!r}")
+            raise TokenizerError(f"the tokenizer has no end-of-document token {eod_token!r}")
         # A literal "<|endoftext|>" in the text is text, not a document boundary: boundaries come from the corpus.
         hf.encode_special_tokens = True
         self.hf = hf
@@ -113,9 +114,9 @@ class BPETokenizer:
         return cls(hf)
 
     @classmethod
-    def load(cls, path: Path) -> "BPETokenizer":
+    def load(cls, path: Path, eod_token: str = EOD_TOKEN) -> "BPETokenizer":
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            return cls(HFTokenizer.from_file(str(path)), eod_token)
         except Exception as e:  # the Rust side raises a plain Exception for a missing or malformed file
             if isinstance(e, TokenizerError):
                 raise
@@ -150,14 +151,15 @@ class BPETokenizer:
 Tokenizer = Union[ByteTokenizer, BPETokenizer]
 
 
-def load_tokenizer(kind: str, directory: Path) -> Tokenizer:
-    """The tokenizer of kind `kind` saved in `directory` (prepared data or a run's output)."""
+def load_tokenizer(kind: str, directory: Path, eod_token: str = EOD_TOKEN) -> Tokenizer:
+    """The tokenizer of kind `kind` saved in `directory` (prepared data or a run's output); `eod_token`: a BPE
+    tokenizer's end-of-document token, when it is not ours."""
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "bpe":
         path = directory / TOKENIZER_FILE
         if not path.exists():
             raise TokenizerError(f"{directory} has no {TOKENIZER_FILE}")
-        return BPETokenizer.load(path)
+        return BPETokenizer.load(path, eod_token)
     raise TokenizerError(f"unknown tokenizer {kind!r}; valid: {', '.join(KINDS)}")
 
