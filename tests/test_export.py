@@ -52,7 +52,7 @@ def test_a_bpe_run_exports_what_transformers_loads_with_our_logits_and_tokenizer
     out = tmp_path / "llama"
     assert export.main([str(bpe_run), "--to", "hf", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith(f"exported {bpe_run}/checkpoint-6.pt (step 6, ")
+    assert printed.startswith(f"exported {bpe_run}/checkpoint-6.safetensors (step 6, ")
     assert sorted(p.name for p in out.iterdir()) == sorted([
         "config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
         "special_tokens_map.json"])
@@ -161,10 +161,10 @@ def test_an_existing_directory_is_replaced_only_with_overwrite_and_never_half_wr
 
 def test_a_named_checkpoint_and_an_fsdp_runs_sharded_one(tmp_path):
     older = checkpoint_of(tmp_path / "run", seed=1)
-    (tmp_path / "run" / "checkpoint-1.pt").rename(tmp_path / "run" / "older.pt")
+    (tmp_path / "run" / "checkpoint-1.safetensors").rename(tmp_path / "run" / "older.safetensors")
     checkpoint_of(tmp_path / "run", seed=2)
     assert export.main([str(tmp_path / "run"), "--to", "hf", str(tmp_path / "a"), "--ckpt",
-                        str(tmp_path / "run" / "older.pt")]) == 0
+                        str(tmp_path / "run" / "older.safetensors")]) == 0
     ids = torch.randint(0, CFG.vocab_size, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(logits_of(tmp_path / "a", ids), older(ids), rtol=1e-5, atol=1e-5)
