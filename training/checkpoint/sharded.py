@@ -22,6 +22,7 @@ from torch import nn
 
 from training.checkpoint import format
 from training.parallel.distributed import DistContext, barrier
+from training.run.files import fsync_dir
 
 DCP_DIR_NAME = "checkpoint_dcp"
 EXTRAS_FILE = "extras.safetensors"
@@ -120,16 +121,8 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extras:
             os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     barrier(ctx)  # nobody reads or rewrites the directory before the swap is done
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def resolve(path: Path) -> Path:
