@@ -27,7 +27,7 @@ from training.parallel.distributed import DistContext
 from training.run.files import fsync_dir, remove_leftovers, temp_path
 
 LOCK_NAME = ".lock"
-CHECKPOINT_PATTERNS = ("checkpoint.pt", "checkpoint-*.pt", "checkpoint_dcp")
+CHECKPOINT_PATTERNS = ("checkpoint-*.safetensors", "checkpoint.pt", "checkpoint-*.pt", "checkpoint_dcp")
 METRICS_NAME = "metrics.jsonl"
 
 
