@@ -53,9 +53,15 @@ def by_index(optimizer: dict[str, Any]) -> dict[str, Any]:
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer["param_groups"]]}
 
 
-def legacy_rng_state() -> dict[str, Any]:
-    """The RNG states as earlier versions pickled them: NumPy's and Python's as their own objects."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def legacy_rng_state(rng: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The RNG states as earlier versions pickled them, NumPy's and Python's as their own objects: those of now, or
+    `rng` (format.rng_state()'s JSON form) converted."""
+    if rng is None:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, internal, gauss = rng["python"]
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    return {"python": (version, tuple(internal), gauss),
+            "numpy": (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached), "torch": rng["torch"].clone()}
 
 
 def write_legacy(state: dict[str, Any], out: Path, args: dict[str, Any] | None = None,
@@ -68,7 +74,7 @@ def write_legacy(state: dict[str, Any], out: Path, args: dict[str, Any] | None =
     config = state.pop("config")
     legacy = {**state, "model_config": {**config["model"], "attn": attn, "fp32_weight_grads": True,
                                         "fused_rope": True, "fp32_residual": False, "fused_gate_up": True},
-              "args": args or {}, "rng": legacy_rng_state()}
+              "args": args or {}, "rng": legacy_rng_state(state.get("rng"))}
     if "optimizer" in state:
         legacy["optimizer"] = by_index(state["optimizer"])
     legacy["model"] = {k: v.clone() for k, v in state["model"].items()}
