@@ -247,6 +247,15 @@ def test_owned_holds_the_lock_for_the_run_and_releases_it_whatever_happens(tmp_p
     with run_dir.owned(tmp_path / "written", resume=False, overwrite=False, ctx=DistContext()):
         (tmp_path / "written" / "config.json").write_text("{}")
     assert [p.name for p in (tmp_path / "written").iterdir()] == ["config.json"]
+    with pytest.raises(KeyError):  # the parents it created go too, unless something else was written there
+        with run_dir.owned(tmp_path / "a" / "b" / "run", resume=False, overwrite=False, ctx=DistContext()):
+            raise KeyError("boom")
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(KeyError):
+        with run_dir.owned(tmp_path / "a" / "b" / "run", resume=False, overwrite=False, ctx=DistContext()):
+            (tmp_path / "a" / ".token_cache").mkdir()
+            raise KeyError("boom")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == [".token_cache"]
 
 
 def test_owned_refuses_a_new_run_into_a_run_and_takes_no_lock(tmp_path):
