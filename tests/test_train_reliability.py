@@ -237,6 +237,48 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
                                                      "metrics.jsonl"]
 
 
+def nan_weight_after(step: int) -> Callable[[Callable[[bytes], None]], None]:
+    """A child patch: after step `step`, a NaN in one weight (the step's loss and gradient norm still finite): the
+    state diverged, and only the check of the weights before a checkpoint can tell."""
+
+    def patch(notify: Callable[[bytes], None]) -> None:
+        real_step, calls = TrainingStep.__call__, {"n": 0}
+
+        def step_then_nan(self, x, y, doc_ids=None):
+            result = real_step(self, x, y, doc_ids)
+            calls["n"] += 1
+            if calls["n"] == step:
+                self.model.embed.weight.data[3, 5] = float("nan")
+            return result
+
+        TrainingStep.__call__ = step_then_nan
+
+    return patch
+
+
+def test_a_diverging_run_never_checkpoints_non_finite_weights_and_resumes(tmp_path, text_file):
+    """A run whose weights turn NaN after step 5 stops there in one line, naming the step and the newest checkpoint;
+    every checkpoint left loads (finite), and a resume from it ends where an uninterrupted run does, loss for loss."""
+    flags = ["--steps", "8", "--log-every", "1", "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", "0"]
+    straight = Forked(argv(text_file, tmp_path / "straight", *flags), tmp_path / "straight.log")
+    assert straight.wait() == 0, straight.output
+    out = tmp_path / "run"
+    child = Forked(argv(text_file, out, *flags), tmp_path / "diverged.log", nan_weight_after(5))
+    assert child.wait() == 1
+    log = child.output
+    assert "Traceback" not in log, log
+    assert error_line(log) == (f"error: the weights became non-finite at step 5 (embed.weight); stopping without a "
+                               f"checkpoint of this step. Last good checkpoint: {out / 'checkpoint-4.safetensors'} "
+                               "(step 4)")
+    assert [step for step, _ in checkpoint_files.numbered(out)] == [4, 3]
+    for step, path in checkpoint_files.numbered(out):
+        assert checkpoint_files.load_file(path)["step"] == step  # finite: load_file checks
+    resumed = Forked(argv(text_file, out, *flags, "--resume"), tmp_path / "resumed.log")
+    assert resumed.wait() == 0, resumed.output
+    assert f"resuming from {out / 'checkpoint-4.safetensors'} (step 4)" in resumed.output
+    assert [r["loss"] for r in rows(out)] == [r["loss"] for r in rows(tmp_path / "straight")]
+
+
 def test_sigterm_and_sigusr1_checkpoint_the_step_reached(tmp_path, text_file):
     for signum, status in ((signal.SIGTERM, 143), (signal.SIGUSR1, 138)):
         out = tmp_path / signal.Signals(signum).name
