@@ -88,7 +88,8 @@ def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs")
     assert_ranks_exited(results, 0, 0)
     assert_same_training(rows(out), rows(one_process))
-    ddp, ref = checkpoint.load(out / f"checkpoint-{STEPS}.safetensors"), checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")
+    ddp = checkpoint.load(out / f"checkpoint-{STEPS}.safetensors")
+    ref = checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")
     assert ddp["step"] == STEPS
     assert_same_weights(ddp["model"], ref["model"])
     # Each rank trains on its own half of the global batch.

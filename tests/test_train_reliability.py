@@ -419,7 +419,8 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_one_before(tmp_path, 
     for _, path in checkpoint_files.numbered(out):  # checkpoint-5 and checkpoint-6
         path.write_bytes(b"")
     code, output = main(argv(text_file, out, "--steps", "8", "--resume"), capsys)
-    assert code == 1 and error_line(output).startswith(f"error: no checkpoint in {out} loads: checkpoint-6.safetensors (")
+    assert code == 1 and error_line(output).startswith(
+        f"error: no checkpoint in {out} loads: checkpoint-6.safetensors (")
 
 
 def test_a_torn_last_metrics_line_is_ignored_with_a_warning(tmp_path, text_file, capsys):
@@ -472,9 +473,11 @@ def test_resume_of_a_finished_run_or_below_its_step_says_so(tmp_path, text_file,
     code, output = main(argv(text_file, out, "--steps", "4", "--resume"), capsys)
     assert code == 0 and "Traceback" not in output
     lines = output.splitlines()
-    assert lines[-5:-3] == [f"nothing to do: {out / 'checkpoint-4.safetensors'} is at step 4, which is --steps 4; pass a larger "
+    assert lines[-5:-3] == [f"nothing to do: {out / 'checkpoint-4.safetensors'} is at step 4, which is --steps 4; "
+                            "pass a larger "
                             "--steps to train on", "done: step 4 of 4 in 0.0 s"]
-    assert lines[-3] == f"checkpoint: {out / 'checkpoint-4.safetensors'}" and lines[-1].endswith(f"--out {out} --steps 8")
+    assert lines[-3] == f"checkpoint: {out / 'checkpoint-4.safetensors'}"
+    assert lines[-1].endswith(f"--out {out} --steps 8")
     code, output = main(argv(text_file, out, "--steps", "3", "--resume"), capsys)
     assert code == 1 and error_line(output) == (
         f"error: --steps 3 is below the step of {out / 'checkpoint-4.safetensors'} (4); pass --steps 4 or more")

@@ -53,8 +53,9 @@ def test_damaged_non_finite_and_pickled_files(tmp_path):
     saved(tmp_path, 6, seed=1)
     newest = tmp_path / "checkpoint-6.safetensors"
     flip_bytes(newest, "/model/blocks.1.ffn.w2.weight")
-    with pytest.raises(CheckpointError, match=rf"^checkpoint {newest} does not load: tensor model/blocks.1.ffn.w2.weight "
-                                              r"does not match its checksum \(the file is damaged\)$"):
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {newest} does not load: tensor "
+                                              r"model/blocks.1.ffn.w2.weight does not match its checksum \(the file "
+                                              r"is damaged\)$"):
         open_checkpoint(newest)
     warnings = []
     assert open_checkpoint(tmp_path, warnings.append)[0] == tmp_path / "checkpoint-4.safetensors"
@@ -84,8 +85,8 @@ def test_no_checkpoint_is_one_line_saying_what_to_do(tmp_path):
     with pytest.raises(CheckpointError) as e:
         open_checkpoint(tmp_path)
     assert str(e.value) == (f"{tmp_path} holds only a sharded FSDP checkpoint; make one file of it with `python -m "
-                            f"training.checkpoint.consolidate {tmp_path}/checkpoint_dcp {tmp_path}/consolidated.safetensors "
-                            "--model-only` and pass that file")
+                            f"training.checkpoint.consolidate {tmp_path}/checkpoint_dcp "
+                            f"{tmp_path}/consolidated.safetensors --model-only` and pass that file")
 
 
 def test_load_model_rebuilds_the_weights(tmp_path):
