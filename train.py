@@ -63,6 +63,7 @@ def train(resolved: Resolved) -> int:
             state = trainer.fit()
         if ctx.is_main:
             print("\n".join(summary_lines(trainer, state)))
+        del trainer  # the DDP/FSDP model goes before its process group: freed after it, a rank could hang at exit
     return state.exit_code
 
 

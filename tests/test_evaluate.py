@@ -47,7 +47,7 @@ def test_evaluation_repeats_the_val_loss_the_run_logged(byte_run, capsys):
 
 def test_full_split_and_train_split(byte_run, capsys):
     out, _ = byte_run
-    full = run_json(capsys, str(out / "checkpoint-12.pt"), "--full")
+    full = run_json(capsys, str(out / "checkpoint-12.safetensors"), "--full")
     data = open_source(str(Path(out).parent / "corpus.txt"), 32, out.parent / ".token_cache")
     assert full["tokens"] == len(data.val) - 1
     train_split = run_json(capsys, str(out), "--split", "train", "--eval-batches", "2")
@@ -71,17 +71,18 @@ def test_mismatched_data_and_missing_checkpoints_are_one_line_errors(byte_run, t
         return err
 
     assert "bpe holds bpe tokens, but the run in" in error(str(out), "--data", str(tmp_path / "bpe"))
-    assert "no checkpoint at" in error(str(tmp_path / "nowhere.pt"))
+    assert "no checkpoint at" in error(str(tmp_path / "nowhere.safetensors"))
     assert f"no checkpoint in {tmp_path}" in error(str(tmp_path))
     # A run that records the tokenizer it trained with refuses data from another one.
+    recorded = (out / "data.json").read_bytes()
     record_data(open_source(str(tmp_path / "bpe"), 32, tmp_path), out)
     try:
         assert "is tokenized with another tokenizer (bpe, vocabulary 280)" in error(
             str(out), "--data", str(tmp_path / "bpe2"))
         assert "was trained on bpe tokens" in error(str(out))
     finally:
-        for name in ("data.json", "tokenizer.json"):
-            (out / name).unlink()
+        (out / "data.json").write_bytes(recorded)
+        (out / "tokenizer.json").unlink()
 
 
 @pytest.mark.parametrize("argv, named", [([], "run"), (["runs/x", "--split", "test"], "--split"),

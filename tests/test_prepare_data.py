@@ -1,13 +1,17 @@
 """prepare_data.py end to end on small inputs."""
 
+import hashlib
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import prepare_data
 from training.data.prepared import load_prepared
+from training.run.directory import RunLock
 
 
 @pytest.fixture
@@ -70,3 +74,81 @@ def test_a_bad_flag_is_one_line_without_usage(tmp_path, capsys, argv, named):
     assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
     assert named in captured.err and "usage" not in captured.err
     assert not (tmp_path / "out").exists()
+
+
+def tree(directory: Path) -> dict[str, tuple[int, str]]:
+    """Every file and directory under `directory`: its size and a hash of its content."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            if p.is_file() else (0, "dir") for p in sorted(directory.rglob("*"))}
+
+
+def one_error(err: str) -> str:
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("error: "), err
+    return err.rstrip("\n")
+
+
+@pytest.fixture
+def other(tmp_path):
+    path = tmp_path / "other.txt"
+    path.write_text("<|endoftext|>".join(f"Note {i}: a cat {'naps ' * i}in the sun.\n" for i in range(150)))
+    return path
+
+
+def test_another_corpus_replaces_a_prepared_directory_only_with_overwrite(stories, other, tmp_path, capsys):
+    out = tmp_path / "prepared"
+    assert prepare_data.main([str(stories), "--out", str(out), "--vocab-size", "300"]) == 0
+    capsys.readouterr()
+    before = tree(out)
+    assert prepare_data.main([str(other), "--out", str(out), "--vocab-size", "300"]) == 1
+    assert one_error(capsys.readouterr().err) == (
+        f"error: --out {out} holds data prepared from another input or settings (text file {stories}, bpe 300); pass "
+        "--overwrite to replace it")
+    assert tree(out) == before
+    assert prepare_data.main([str(stories), "--out", str(out), "--vocab-size", "280"]) == 1  # other settings too
+    assert "pass --overwrite to replace it" in one_error(capsys.readouterr().err)
+    assert tree(out) == before
+    assert prepare_data.main([str(other), "--out", str(out), "--vocab-size", "300", "--overwrite"]) == 0
+    assert f"{out}: prepared in" in capsys.readouterr().out
+    assert json.loads((out / "meta.json").read_text())["source"] == f"text file {other}"
+    data = load_prepared(out)
+    first = data.splits["train"].tokens[1:data.splits["train"].doc_starts[1]]
+    assert data.tokenizer().decode(first) == "Note 0: a cat in the sun.\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.txt", "prepared", "stories.txt"], "nothing left over"
+
+
+def test_a_second_preparation_of_one_out_is_refused_while_the_first_holds_it(stories, tmp_path, capsys):
+    out = tmp_path / "prepared"
+    assert prepare_data.main([str(stories), "--out", str(out), "--vocab-size", "300"]) == 0
+    capsys.readouterr()
+    before = tree(out)
+    lock = RunLock(out, path=tmp_path / ".prepared.lock")
+    lock.acquire()  # the first preparation, still running (this process: alive)
+    try:
+        for argv in ([str(stories)], [str(stories), "--overwrite", "--vocab-size", "280"]):
+            assert prepare_data.main([*argv, "--out", str(out)]) == 1
+            assert re.fullmatch(rf"error: {out} is in use by another run \(process {os.getpid()} on .*\); wait for it "
+                                r"to end, or choose another --out", one_error(capsys.readouterr().err))
+            assert tree(out) == before
+        fresh = tmp_path / "fresh"
+        RunLock(fresh, path=tmp_path / ".fresh.lock").acquire()
+        assert prepare_data.main([str(stories), "--out", str(fresh)]) == 1
+        assert "is in use by another run" in one_error(capsys.readouterr().err)
+        assert not fresh.exists()
+    finally:
+        lock.release()
+    (tmp_path / ".fresh.lock").unlink()
+    assert prepare_data.main([str(stories), "--out", str(out), "--vocab-size", "300"]) == 0
+    assert "reused" in capsys.readouterr().out and not (tmp_path / ".prepared.lock").exists()
+
+
+def test_what_a_killed_preparation_left_is_removed_with_a_message(stories, tmp_path, capsys):
+    out = tmp_path / "prepared"
+    leftover = tmp_path / ".prepared.tmp-4242-abcd"
+    leftover.mkdir()
+    (leftover / "train.bin").write_bytes(b"\0" * 1000)
+    other_runs = tmp_path / ".elsewhere.tmp-4242-abcd"  # another --out's: not ours to remove
+    other_runs.mkdir()
+    assert prepare_data.main([str(stories), "--out", str(out), "--vocab-size", "300"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"{out}: removed {leftover}, left by a preparation that was killed\n"
+    assert not leftover.exists() and other_runs.exists() and load_prepared(out).vocab_size == 300

@@ -10,6 +10,9 @@ import torch
 
 import sample
 from model import ModelConfig, TransformerLM
+from tests.checkpoints import write_legacy
+from training.checkpoint import files as checkpoint_files
+from training.checkpoint import format as checkpoint
 from training.config import Config
 
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=256, context_length=32)
@@ -18,15 +21,20 @@ CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=256, co
 def write_run(out: Path, cfg: ModelConfig = CFG, step: int = 7, model_cfg: ModelConfig | None = None,
               legacy: bool = False) -> Path:
     """A checkpoint as train.py writes it (the keys sample.py reads: the run's config), weights from `model_cfg` if
-    given; `legacy`: as the earlier version wrote it (the model's config with its attention backend)."""
+    given; `legacy`: as the earlier version wrote it (torch.save's pickle as checkpoint-<step>.pt, the model's config
+    with its attention backend, the RNG states pickled: it loads only with --allow-pickle)."""
     torch.manual_seed(step)
     model = TransformerLM(model_cfg or cfg)
-    path = out / f"checkpoint-{step}.pt"
     out.mkdir(parents=True, exist_ok=True)
-    about = ({"model_config": {**cfg.to_dict(), "attn": "sdpa", "fp32_weight_grads": True}} if legacy
-             else {"config": Config(model=cfg).to_dict()})
-    torch.save({"model": model.state_dict(), **about, "step": step}, path)
+    if legacy:
+        return write_legacy({"model": model.state_dict(), "config": Config(model=cfg).to_dict(), "step": step}, out)
+    path = out / f"checkpoint-{step}.safetensors"
+    checkpoint.save({"model": model.state_dict(), "config": Config(model=cfg).to_dict(), "step": step}, path)
     return path
+
+
+def weights(path: Path) -> dict:
+    return checkpoint_files.load_file(path, allow_pickle=True)["model"]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -39,7 +47,7 @@ def test_samples_start_with_the_prompt_and_a_seed_reproduces_them(tmp_path, caps
     write_run(tmp_path)
     args = ["--out", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "8", "--num-samples", "2"]
     code, first, err = run(capsys, *args, "--seed", "3")
-    assert code == 0 and first.startswith("ab") and "checkpoint-7.pt (step 7)" in err
+    assert code == 0 and first.startswith("ab") and "checkpoint-7.safetensors (step 7)" in err
     assert run(capsys, *args, "--seed", "3")[1] == first
     assert run(capsys, *args, "--seed", "4")[1] != first
 
@@ -47,19 +55,26 @@ def test_samples_start_with_the_prompt_and_a_seed_reproduces_them(tmp_path, caps
 def test_the_newest_checkpoint_is_read(tmp_path, capsys):
     write_run(tmp_path, step=3)
     write_run(tmp_path, step=12)
-    assert "checkpoint-12.pt (step 12)" in run(capsys, "--out", str(tmp_path), "--max-new-tokens", "1")[2]
+    assert "checkpoint-12.safetensors (step 12)" in run(capsys, "--out", str(tmp_path), "--max-new-tokens", "1")[2]
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["config", "earlier-version"])
 def test_greedy_equals_the_model_argmax(tmp_path, capsys, legacy):
     path = write_run(tmp_path, legacy=legacy)
     model = TransformerLM(CFG)
-    model.load_state_dict(torch.load(path)["model"])
+    model.load_state_dict(weights(path))
     ids = list(b"xy")
     with torch.no_grad():
         for _ in range(5):
             ids.append(model(torch.tensor([ids]))[0, -1].argmax().item())
-    code, out, _ = run(capsys, "--ckpt", str(path), "--prompt", "xy", "--temperature", "0", "--max-new-tokens", "5")
+    greedy = ["--prompt", "xy", "--temperature", "0", "--max-new-tokens", "5"]
+    if legacy:  # pickled: read only with --allow-pickle
+        code, out, err = run(capsys, "--ckpt", str(path), *greedy)
+        assert code == 1 and out == "" and err == (f"error: checkpoint {path} does not load: written by an earlier "
+                                                   "version with pickle, which can run code when loaded; pass "
+                                                   "--allow-pickle if you trust this file\n")
+        greedy.append("--allow-pickle")
+    code, out, _ = run(capsys, "--ckpt", str(path), *greedy)
     assert code == 0 and out.rstrip("\n") == bytes(ids).decode("utf-8", errors="replace")
 
 
@@ -75,7 +90,7 @@ def test_a_long_prompt_keeps_its_end_and_generation_stops_at_the_context(tmp_pat
 @pytest.mark.parametrize("setup,argv,code,message", [
     (None, [], 1, "error: no checkpoint at"),
     ("empty", [], 1, "error: no checkpoint in"),
-    ("run", ["--ckpt", "missing.pt"], 1, "error: no checkpoint at missing.pt"),
+    ("run", ["--ckpt", "missing.safetensors"], 1, "error: no checkpoint at missing.safetensors"),
     ("other-shape", [], 1, "holds another model shape than its config says: embed.weight is (256, 64) in the file"),
     ("run", ["--prompt", ""], 2, "error: the prompt is empty"),
     ("small-vocab", ["--prompt", "é"], 2, "the prompt's token 195 (at 0) is outside the model's vocabulary of 100"),
@@ -121,7 +136,7 @@ def test_a_run_on_prepared_data_samples_with_its_tokenizer(tmp_path, capsys):
         "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}))
     cfg = dataclasses.replace(CFG, vocab_size=tokenizer.vocab_size)
     model = TransformerLM(cfg)
-    model.load_state_dict(torch.load(write_run(tmp_path, cfg))["model"])
+    model.load_state_dict(weights(write_run(tmp_path, cfg)))
     ids = tokenizer.encode("def main")
     with torch.no_grad():
         for _ in range(5):
@@ -138,7 +153,7 @@ def test_a_model_with_attention_variants_samples_greedily_like_its_full_forward(
     cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=2, window=3, window_pattern="LG", attn_softcap=10.0)
     path = write_run(tmp_path, cfg)
     model = TransformerLM(cfg, attn="naive")
-    model.load_state_dict(torch.load(path)["model"])
+    model.load_state_dict(weights(path))
     ids = list(b"xyz")
     with torch.no_grad():
         for _ in range(6):

@@ -15,10 +15,10 @@ import torch
 import evaluate
 import sample
 import train
+from tests.checkpoints import write_legacy
 from tests.training.wandb_offline import history_and_summary
 from training import cli
 from training.checkpoint import format as checkpoint
-from training.checkpoint.consolidate import optimizer_state_by_index
 from training.config import resolve
 from training.step import TrainingStep
 
@@ -59,7 +59,7 @@ def test_loss_falls(tmp_path, text_file):
     for key in ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu"):
         assert key in rows[-1]
     assert rows[-1]["mfu"] is None  # no made-up MFU on the CPU
-    assert checkpoint.load(out / "checkpoint-80.pt")["step"] == 80
+    assert checkpoint.load(out / "checkpoint-80.safetensors")["step"] == 80
 
 
 def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, monkeypatch):
@@ -78,7 +78,7 @@ def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, mo
     monkeypatch.setattr(TrainingStep, "loss", loss_then_interrupt)
     code, _, out = run(tmp_path, text_file, *args, name="resumed")
     assert code == 130
-    assert checkpoint.load(out / "checkpoint-7.pt")["step"] == 7
+    assert checkpoint.load(out / "checkpoint-7.safetensors")["step"] == 7
     monkeypatch.setattr(TrainingStep, "loss", real_loss)
 
     code, resumed, _ = run(tmp_path, text_file, *args, "--resume", name="resumed")
@@ -99,8 +99,8 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, text_file,
     assert code == 1
     captured = capsys.readouterr()
     assert "loss became nan at step 8" in captured.err
-    assert f"Last good checkpoint: {out / 'checkpoint-5.pt'} (step 5)" in captured.err
-    assert checkpoint.load(out / "checkpoint-5.pt")["step"] == 5
+    assert f"Last good checkpoint: {out / 'checkpoint-5.safetensors'} (step 5)" in captured.err
+    assert checkpoint.load(out / "checkpoint-5.safetensors")["step"] == 5
 
 
 def test_the_summary_names_the_checkpoint_the_wandb_run_and_commands_that_work(tmp_path, text_file, capsys):
@@ -125,7 +125,7 @@ def test_the_summary_names_the_checkpoint_the_wandb_run_and_commands_that_work(t
     assert lines[done + 1:done + 5] == [
         f"final: train loss {rows[-1]['loss']:.4f}, val loss {rows[-1]['val_loss']:.4f}, "
         f"{rows[-1]['val_bpb']:.4f} bits per byte",
-        f"checkpoint: {out / 'checkpoint-6.pt'}",
+        f"checkpoint: {out / 'checkpoint-6.safetensors'}",
         f"metrics: {out / 'metrics.jsonl'}; config: {out / 'config.json'}",
         f"W&B: {wandb_dir} (upload it with: wandb sync {wandb_dir})",
     ]
@@ -135,7 +135,7 @@ def test_the_summary_names_the_checkpoint_the_wandb_run_and_commands_that_work(t
     assert commands[2][2:] == ["--resume", "--out", str(out), "--steps", "12"]
     # sample.py and evaluate.py as printed (on the CPU, briefly): they read this run.
     assert sample.main([*commands[0][2:], "--max-new-tokens", "4", "--device", "cpu"]) == 0
-    assert "checkpoint-6.pt (step 6)" in capsys.readouterr().err
+    assert "checkpoint-6.safetensors (step 6)" in capsys.readouterr().err
     assert evaluate.main([*commands[1][2:], "--json", "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-6)
 
@@ -212,10 +212,10 @@ def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_
     assert train.main(["--resume", "--out", str(out), "--steps", "2"]) == 0  # the run's config.json, steps aside
     output = capsys.readouterr().out
     assert output.startswith(f"training tiny (256 wide, 4 layers) on {text_file} for 2 steps on cpu: ")
-    assert f"resuming from {out / 'checkpoint-1.pt'} (step 1)" in output
+    assert f"resuming from {out / 'checkpoint-1.safetensors'} (step 1)" in output
     assert "model: 4.3M parameters, d_model 256, 4 layers, 4 heads, context 128" in output
     assert [r["step"] for r in read_rows(out)] == [1, 2]
-    first, second = (checkpoint.load(out / f"checkpoint-{s}.pt")["config"] for s in (1, 2))
+    first, second = (checkpoint.load(out / f"checkpoint-{s}.safetensors")["config"] for s in (1, 2))
     assert second == {**first, "run": {**first["run"], "steps": 2, "resume": True}}
 
     before = snapshot(out)
@@ -326,22 +326,26 @@ def test_a_checkpoint_of_the_earlier_version_resumes_with_the_same_losses(tmp_pa
     assert code == 0
     old = tmp_path / "old"
     old.mkdir()
-    state = checkpoint.load(out / "checkpoint-2.pt")
-    config = state.pop("config")
-    state["model_config"] = {**config["model"], "attn": "sdpa", "fp32_weight_grads": True, "fused_rope": True,
-                             "fp32_residual": False, "fused_gate_up": True}
-    state["args"] = {"data": str(text_file), "batch_size": 4, "steps": 4, "dtype": "fp32"}
-    state["optimizer"] = optimizer_state_by_index(state["optimizer"])
-    checkpoint.save_atomic(state, old / "checkpoint-2.pt")
+    state = checkpoint.load(out / "checkpoint-2.safetensors")
+    path = write_legacy(state, old, args={"data": str(text_file), "batch_size": 4, "steps": 4, "dtype": "fp32"})
+    assert path == old / "checkpoint-2.pt"
     (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in straight[:2]))
 
     resume = [*TINY, "--data", str(text_file), "--out", str(old), "--wandb", "disabled", "--resume", *args]
+    before = snapshot(old)
+    assert train.main(resume) == 1  # pickled: read only when trusted
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: no checkpoint in {old} loads: checkpoint-2.pt (written by an earlier version with pickle, which can "
+        "run code when loaded; pass --allow-pickle if you trust this file)")
+    assert snapshot(old) == before
+    resume.append("--allow-pickle")
     assert train.main([*resume, "--d-model", "64"]) == 1
     assert (f"checkpoint {old / 'checkpoint-2.pt'} was written for another model: --d-model 32 (asked 64)"
             in capsys.readouterr().err)
+    assert snapshot(old) == before
     assert train.main(resume) == 0
     assert [r["loss"] for r in read_rows(old)] == [r["loss"] for r in straight]
-    assert checkpoint.load(old / "checkpoint-4.pt")["config"]["model"] == config["model"]
+    assert checkpoint.load(old / "checkpoint-4.safetensors")["config"]["model"] == state["config"]["model"]
 
 
 def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch):

@@ -88,7 +88,8 @@ def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs")
     assert_ranks_exited(results, 0, 0)
     assert_same_training(rows(out), rows(one_process))
-    ddp, ref = checkpoint.load(out / f"checkpoint-{STEPS}.pt"), checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")
+    ddp = checkpoint.load(out / f"checkpoint-{STEPS}.safetensors")
+    ref = checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")
     assert ddp["step"] == STEPS
     assert_same_weights(ddp["model"], ref["model"])
     # Each rank trains on its own half of the global batch.
@@ -129,14 +130,15 @@ def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_
 def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_process, capsys):
     assert_same_training(rows(fsdp_run), rows(one_process))
     dcp_dir = fsdp_run / sharded_checkpoint.DCP_DIR_NAME
-    assert sorted(p.name for p in dcp_dir.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "extras.pt"]
+    assert sorted(p.name for p in dcp_dir.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                         "extras.safetensors"]
     assert not list(fsdp_run.glob(".checkpoint_dcp*")), "temporary or old checkpoint left behind"
 
-    assert consolidate.main([str(dcp_dir), str(tmp_path / "full.pt"), "--model-only"]) == 0
+    assert consolidate.main([str(dcp_dir), str(tmp_path / "full.safetensors"), "--model-only"]) == 0
     assert f"step {STEPS}" in capsys.readouterr().out
-    full = checkpoint.load(tmp_path / "full.pt")
+    full = checkpoint.load(tmp_path / "full.safetensors")
     assert "optimizer" not in full
-    ref = checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")
+    ref = checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")
     assert_same_weights(full["model"], ref["model"])
     model = TransformerLM(ModelConfig.from_dict(full["config"]["model"]))
     model.load_state_dict(full["model"])  # strict: the documented keys, nothing missing or extra
@@ -155,19 +157,19 @@ def test_checkpoints_move_between_one_process_and_ddp(tmp_path, text_file, one_p
     monkeypatch.setattr(TrainingStep, "loss", interrupt_at_step_3)
     assert train.main(argv(text_file, out)) == 130
     monkeypatch.setattr(TrainingStep, "loss", real_loss)
-    assert checkpoint.load(out / "checkpoint-3.pt")["step"] == 3
+    assert checkpoint.load(out / "checkpoint-3.safetensors")["step"] == 3
 
     # One process -> DDP: resume, then Ctrl-C on rank 1 alone during step 6; both ranks stop there and save.
     results = run_ranks(argv(text_file, out, "--parallel", "ddp", "--resume"), tmp_path / "logs", interrupt=(1, 3))
     assert_ranks_exited(results, 130, 130)
-    assert checkpoint.load(out / "checkpoint-6.pt")["step"] == 6
+    assert checkpoint.load(out / "checkpoint-6.safetensors")["step"] == 6
 
     # DDP -> one process: finish the run. A resume takes the run's settings (its config.json says ddp now), so one
     # process is asked for.
     assert train.main(argv(text_file, out, "--resume", "--parallel", "none")) == 0
     assert_same_training(rows(out), rows(one_process))
-    assert_same_weights(checkpoint.load(out / f"checkpoint-{STEPS}.pt")["model"],
-                        checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")["model"])
+    assert_same_weights(checkpoint.load(out / f"checkpoint-{STEPS}.safetensors")["model"],
+                        checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")["model"])
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, text_file):
@@ -176,7 +178,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, t
     out = tmp_path / "run"
     results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs", interrupt=(1, 4, signal.SIGTERM))
     assert_ranks_exited(results, 143, 143)
-    assert checkpoint.load(out / "checkpoint-4.pt")["step"] == 4
+    assert checkpoint.load(out / "checkpoint-4.safetensors")["step"] == 4
     assert f"stopped at step 4; resume with --resume --out {out}" in results[0].stderr
     assert results[1].stderr == ""  # rank 0 alone speaks
 
@@ -195,7 +197,7 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run,
     shutil.copytree(dcp_dir, single / sharded_checkpoint.DCP_DIR_NAME)
     assert train.main(argv(text_file, single, "--resume")) == 1
     assert "python -m training.checkpoint.consolidate" in capsys.readouterr().err
-    consolidate.consolidate(dcp_dir, single / checkpoint.CHECKPOINT_NAME)
+    consolidate.consolidate(dcp_dir, single / "checkpoint-5.safetensors")
     shutil.copy(out / "metrics.jsonl", single / "metrics.jsonl")
 
     results = run_ranks([*fsdp_argv, "--resume"], tmp_path / "logs2")
@@ -206,8 +208,8 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run,
     # The consolidated step-5 checkpoint, with its optimizer state, carries on in one process.
     assert train.main(argv(text_file, single, "--resume")) == 0
     assert_same_training(rows(single), rows(one_process))
-    assert_same_weights(checkpoint.load(single / f"checkpoint-{STEPS}.pt")["model"],
-                        checkpoint.load(one_process / f"checkpoint-{STEPS}.pt")["model"])
+    assert_same_weights(checkpoint.load(single / f"checkpoint-{STEPS}.safetensors")["model"],
+                        checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")["model"])
 
 
 def test_a_stalled_rank_becomes_an_error_after_the_timeout(tmp_path, text_file):
@@ -235,8 +237,8 @@ def test_torchrun_launches_train_py(tmp_path, text_file, one_process):
         (1, {}, ["--parallel", "fsdp"], r"needs the process variables torchrun sets \(RANK, WORLD_SIZE, LOCAL_RANK, "
                                         r"MASTER_ADDR, MASTER_PORT missing\); launch with "
                                         r"`torchrun --nproc-per-node N"),
-        (1, {}, ["--resume"], r"no checkpoint to resume from in .*run \(looked for checkpoint-<step>.pt and "
-                              r"checkpoint.pt\)"),
+        (1, {}, ["--resume"], r"no checkpoint to resume from in .*run \(looked for "
+                              r"checkpoint-<step>.safetensors\)"),
     ],
 )
 def test_launch_errors_name_the_problem(tmp_path, text_file, monkeypatch, capsys, code, env, extra, message):

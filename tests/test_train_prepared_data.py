@@ -61,7 +61,7 @@ def test_bpe_beats_bytes_in_bits_per_byte_and_evaluation_repeats_the_log(prepare
     # The run keeps its tokenizer; evaluate.py scores each checkpoint as the run did at that step.
     assert run_tokenizer(tmp_path / "bpe").vocab_size == 512
     capsys.readouterr()
-    for target, step in ((tmp_path / "bpe", 80), (tmp_path / "bpe" / "checkpoint-40.pt", 40)):
+    for target, step in ((tmp_path / "bpe", 80), (tmp_path / "bpe" / "checkpoint-40.safetensors", 40)):
         assert evaluate.main([str(target), "--json"]) == 0
         result = json.loads(capsys.readouterr().out)
         logged = next(r for r in bpe if r["step"] == step)
@@ -71,8 +71,15 @@ def test_bpe_beats_bytes_in_bits_per_byte_and_evaluation_repeats_the_log(prepare
 
     # Resuming on data of another tokenizer is refused, and the run keeps its tokenizer, data note and config.
     before = snapshot(tmp_path / "bpe")
-    assert train.main([*TINY, "--data", str(prepared["bytes"]), "--out", str(tmp_path / "bpe"), "--resume",
-                       "--steps", "90"]) == 1
+    resume = [*TINY, "--data", str(prepared["bytes"]), "--out", str(tmp_path / "bpe"), "--resume", "--steps", "90"]
+    assert train.main(resume) == 1
+    assert capsys.readouterr().err == (
+        f"error: --data {prepared['bytes']} (bytes tokens of text files under {prepared['bytes'].parent / 'corpus'} (2 "
+        f"files), prepared in {prepared['bytes']}) is not the data the run in {tmp_path / 'bpe'} trained on (bpe tokens "
+        f"of text files under {prepared['bpe'].parent / 'corpus'} (2 files), prepared in {prepared['bpe']}, recorded "
+        f"in {tmp_path / 'bpe' / 'data.json'}); pass --data-changed to train on it anyway\n")
+    assert snapshot(tmp_path / "bpe") == before
+    assert train.main([*resume, "--data-changed"]) == 1  # meant, but the model is another
     assert "was written for another model: --vocab-size 512 (asked 256)" in capsys.readouterr().err
     assert snapshot(tmp_path / "bpe") == before
 

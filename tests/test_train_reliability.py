@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 import train
@@ -44,9 +45,10 @@ def rows(out: Path) -> list[dict]:
     return metrics_file.read_rows(out / "metrics.jsonl", warn=lambda m: pytest.fail(f"unexpected warning: {m}"))
 
 
-def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
-    """Every file under `directory` with its size and modification time."""
-    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under `directory` with its size, modification time and content."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns,
+                                            p.read_bytes() if p.is_file() else b"")
             for p in sorted(directory.rglob("*"))}
 
 
@@ -118,23 +120,21 @@ class Forked:
 
 def slow_writes(which: set[str]) -> Callable[[Callable[[bytes], None]], None]:
     """A child patch: every training step reports b"s" when done; the writes named in `which` stop half way, report
-    it, and finish 0.3 s later, so that a kill on the report lands inside them. "checkpoint": torch.save of a
-    checkpoint (b"c"); "metrics": a metrics row (b"m"; half a row on disk: a torn line); "cut": the rewrite of
+    it, and finish 0.3 s later, so that a kill on the report lands inside them. "checkpoint": the safetensors file
+    of a checkpoint (b"c"); "metrics": a metrics row (b"m"; half a row on disk: a torn line); "cut": the rewrite of
     metrics.jsonl on resume (b"r")."""
 
     def patch(notify: Callable[[bytes], None]) -> None:
-        real_save = torch.save
         real_write_atomic = metrics_file.write_atomic
 
-        def save(obj, f, *a, **k):
-            buffer = io.BytesIO()
-            real_save(obj, buffer, *a, **k)
-            data = buffer.getvalue()
-            f.write(data[: len(data) // 2])
-            f.flush()
-            notify(b"c")
-            time.sleep(0.3)
-            f.write(data[len(data) // 2:])
+        def save_file(tensors, filename, metadata=None):
+            data = safetensors.torch.save(tensors, metadata=metadata)
+            with open(filename, "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                notify(b"c")
+                time.sleep(0.3)
+                f.write(data[len(data) // 2:])
 
         def write_row(self, row):
             data = (json.dumps(row) + "\n").encode()
@@ -158,7 +158,7 @@ def slow_writes(which: set[str]) -> Callable[[Callable[[bytes], None]], None]:
 
         TrainingStep.__call__ = step
         if "checkpoint" in which:
-            torch.save = save
+            safetensors.torch.save_file = save_file
         if "metrics" in which:
             metrics_file.MetricsFile.write = write_row
         if "cut" in which:
@@ -216,7 +216,7 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
         kills += 1
         assert "Traceback" not in log, log
         if newest is not None and "resuming from" in log:  # the resume took the newest checkpoint
-            assert f"resuming from {out / f'checkpoint-{newest}.pt'} (step {newest})" in log, log
+            assert f"resuming from {out / f'checkpoint-{newest}.safetensors'} (step {newest})" in log, log
         # Every checkpoint on disk loads; metrics hold one row per step from 1 on (a torn last line at most), at
         # least up to the newest checkpoint.
         for step, path in checkpoint_files.numbered(out):
@@ -232,8 +232,51 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
     resumed = rows(out)  # and no warning: no torn line is left
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
-    assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{steps - 1}.pt", f"checkpoint-{steps}.pt",
-                                                     "config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{steps - 1}.safetensors",
+                                                     f"checkpoint-{steps}.safetensors", "config.json", "data.json",
+                                                     "metrics.jsonl"]
+
+
+def nan_weight_after(step: int) -> Callable[[Callable[[bytes], None]], None]:
+    """A child patch: after step `step`, a NaN in one weight (the step's loss and gradient norm still finite): the
+    state diverged, and only the check of the weights before a checkpoint can tell."""
+
+    def patch(notify: Callable[[bytes], None]) -> None:
+        real_step, calls = TrainingStep.__call__, {"n": 0}
+
+        def step_then_nan(self, x, y, doc_ids=None):
+            result = real_step(self, x, y, doc_ids)
+            calls["n"] += 1
+            if calls["n"] == step:
+                self.model.embed.weight.data[3, 5] = float("nan")
+            return result
+
+        TrainingStep.__call__ = step_then_nan
+
+    return patch
+
+
+def test_a_diverging_run_never_checkpoints_non_finite_weights_and_resumes(tmp_path, text_file):
+    """A run whose weights turn NaN after step 5 stops there in one line, naming the step and the newest checkpoint;
+    every checkpoint left loads (finite), and a resume from it ends where an uninterrupted run does, loss for loss."""
+    flags = ["--steps", "8", "--log-every", "1", "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", "0"]
+    straight = Forked(argv(text_file, tmp_path / "straight", *flags), tmp_path / "straight.log")
+    assert straight.wait() == 0, straight.output
+    out = tmp_path / "run"
+    child = Forked(argv(text_file, out, *flags), tmp_path / "diverged.log", nan_weight_after(5))
+    assert child.wait() == 1
+    log = child.output
+    assert "Traceback" not in log, log
+    assert error_line(log) == (f"error: the weights became non-finite at step 5 (embed.weight); stopping without a "
+                               f"checkpoint of this step. Last good checkpoint: {out / 'checkpoint-4.safetensors'} "
+                               "(step 4)")
+    assert [step for step, _ in checkpoint_files.numbered(out)] == [4, 3]
+    for step, path in checkpoint_files.numbered(out):
+        assert checkpoint_files.load_file(path)["step"] == step  # finite: load_file checks
+    resumed = Forked(argv(text_file, out, *flags, "--resume"), tmp_path / "resumed.log")
+    assert resumed.wait() == 0, resumed.output
+    assert f"resuming from {out / 'checkpoint-4.safetensors'} (step 4)" in resumed.output
+    assert [r["loss"] for r in rows(out)] == [r["loss"] for r in rows(tmp_path / "straight")]
 
 
 def test_sigterm_and_sigusr1_checkpoint_the_step_reached(tmp_path, text_file):
@@ -245,8 +288,8 @@ def test_sigterm_and_sigusr1_checkpoint_the_step_reached(tmp_path, text_file):
         child.kill(signum)
         assert child.wait() == status, child.output
         reached = rows(out)[-1]["step"]
-        assert [p.name for p in out.iterdir() if p.suffix == ".pt"] == [f"checkpoint-{reached}.pt"]
-        assert checkpoint_files.load_file(out / f"checkpoint-{reached}.pt")["step"] == reached
+        assert [p.name for p in out.iterdir() if p.suffix == ".safetensors"] == [f"checkpoint-{reached}.safetensors"]
+        assert checkpoint_files.load_file(out / f"checkpoint-{reached}.safetensors")["step"] == reached
         name = signal.Signals(signum).name
         assert f"{name}: saving a checkpoint at the end of this step, then stopping" in child.output
         assert f"stopped at step {reached}; resume with --resume --out {out}" in child.output
@@ -272,7 +315,7 @@ def test_a_run_on_the_cpu_never_starts_cuda(tmp_path, text_file):
     assert child.wait() == 0 and "Traceback" not in child.output, child.output
     child = Forked(argv(text_file, out, "--steps", "3", "--resume"), tmp_path / "b.log", cuda_visible_but_never_started)
     assert child.wait() == 0 and "Traceback" not in child.output, child.output
-    assert checkpoint_files.load_file(out / "checkpoint-3.pt")["step"] == 3
+    assert checkpoint_files.load_file(out / "checkpoint-3.safetensors")["step"] == 3
 
 
 # ------------------------------------------------------------------------------ one test per failure case
@@ -299,7 +342,8 @@ def test_a_new_run_into_a_run_is_refused_and_a_failed_start_touches_nothing(tmp_
     before = snapshot(out)
     code, output = main(argv(text_file, out, "--steps", "2"), capsys)
     assert code == 1 and error_line(output) == (
-        f"error: {out} already holds a run (checkpoint-2.pt, metrics.jsonl); continue it with --resume, or start "
+        f"error: {out} already holds a run (checkpoint-2.safetensors, metrics.jsonl); continue it with --resume, or "
+        "start "
         f"over with --overwrite (moves it to {out}.old-<UTC time>)")
     code, output = main(argv(text_file, out, "--steps", "2", "--attn", "sdpa-flash"), capsys)
     assert code == 2 and "--attn sdpa-flash cannot run on cpu" in error_line(output)
@@ -352,10 +396,10 @@ def test_leftovers_of_a_killed_checkpoint_write_are_removed(tmp_path, text_file,
     assert child.wait_for(b"c") and child.wait_for(b"c")  # in the middle of writing the second checkpoint
     child.kill()
     assert child.wait() == -signal.SIGKILL
-    [leftover] = out.glob(".checkpoint-2.pt.tmp-*")
+    [leftover] = out.glob(".checkpoint-2.safetensors.tmp-*")
     code, output = main(argv(text_file, out, "--steps", "3", "--resume"), capsys)
     assert code == 0 and f"{out}: removed 1 temporary file left by an interrupted write" in output
-    assert f"resuming from {out / 'checkpoint-1.pt'} (step 1)" in output
+    assert f"resuming from {out / 'checkpoint-1.safetensors'} (step 1)" in output
     assert not leftover.exists()
 
 
@@ -363,7 +407,7 @@ def test_leftovers_of_a_killed_checkpoint_write_are_removed(tmp_path, text_file,
 def test_a_checkpoint_that_does_not_load_falls_back_to_the_one_before(tmp_path, text_file, capsys, damage):
     out = tmp_path / "run"
     assert main(argv(text_file, out, "--steps", "4", "--ckpt-every", "1"), capsys)[0] == 0
-    newest = out / "checkpoint-4.pt"
+    newest = out / "checkpoint-4.safetensors"
     data = newest.read_bytes()
     newest.write_bytes({"truncated": data[: len(data) // 2], "random": random.Random(0).randbytes(len(data)),
                         "empty": b""}[damage])
@@ -371,11 +415,12 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_one_before(tmp_path, 
     assert code == 0 and "Traceback" not in output
     [warning] = [line for line in output.splitlines() if line.startswith("warning:")]
     assert warning.startswith(f"warning: checkpoint {newest} does not load (")
-    assert f"resuming from {out / 'checkpoint-3.pt'} (step 3)" in output
-    for _, path in checkpoint_files.numbered(out):  # checkpoint-5.pt and checkpoint-6.pt
+    assert f"resuming from {out / 'checkpoint-3.safetensors'} (step 3)" in output
+    for _, path in checkpoint_files.numbered(out):  # checkpoint-5 and checkpoint-6
         path.write_bytes(b"")
     code, output = main(argv(text_file, out, "--steps", "8", "--resume"), capsys)
-    assert code == 1 and error_line(output).startswith(f"error: no checkpoint in {out} loads: checkpoint-6.pt (")
+    assert code == 1 and error_line(output).startswith(
+        f"error: no checkpoint in {out} loads: checkpoint-6.safetensors (")
 
 
 def test_a_torn_last_metrics_line_is_ignored_with_a_warning(tmp_path, text_file, capsys):
@@ -400,7 +445,7 @@ def test_a_full_disk_stops_with_one_line_after_a_checkpoint(tmp_path, text_file,
     assert error_line(output) == (
         f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; saved a checkpoint at step 1 first: "
         f"resume with --resume --out {out} once there is room")
-    assert checkpoint_files.load_file(out / "checkpoint-1.pt")["step"] == 1
+    assert checkpoint_files.load_file(out / "checkpoint-1.safetensors")["step"] == 1
 
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, text_file, capsys, monkeypatch):
@@ -418,7 +463,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, text_file, capsys
     code, output = main(argv(text_file, out, "--steps", "10", "--ckpt-every", "1"), capsys)
     assert code == 130 and "Traceback" not in output
     assert output.splitlines()[-1] == (f"second Ctrl-C: stopped at once, without a checkpoint of this step; the "
-                                       f"last checkpoint is {out / 'checkpoint-2.pt'}")
+                                       f"last checkpoint is {out / 'checkpoint-2.safetensors'}")
     assert not (out / LOCK_NAME).exists()
 
 
@@ -428,12 +473,14 @@ def test_resume_of_a_finished_run_or_below_its_step_says_so(tmp_path, text_file,
     code, output = main(argv(text_file, out, "--steps", "4", "--resume"), capsys)
     assert code == 0 and "Traceback" not in output
     lines = output.splitlines()
-    assert lines[-5:-3] == [f"nothing to do: {out / 'checkpoint-4.pt'} is at step 4, which is --steps 4; pass a larger "
+    assert lines[-5:-3] == [f"nothing to do: {out / 'checkpoint-4.safetensors'} is at step 4, which is --steps 4; "
+                            "pass a larger "
                             "--steps to train on", "done: step 4 of 4 in 0.0 s"]
-    assert lines[-3] == f"checkpoint: {out / 'checkpoint-4.pt'}" and lines[-1].endswith(f"--out {out} --steps 8")
+    assert lines[-3] == f"checkpoint: {out / 'checkpoint-4.safetensors'}"
+    assert lines[-1].endswith(f"--out {out} --steps 8")
     code, output = main(argv(text_file, out, "--steps", "3", "--resume"), capsys)
     assert code == 1 and error_line(output) == (
-        f"error: --steps 3 is below the step of {out / 'checkpoint-4.pt'} (4); pass --steps 4 or more")
+        f"error: --steps 3 is below the step of {out / 'checkpoint-4.safetensors'} (4); pass --steps 4 or more")
 
 
 def test_resume_with_another_attention_backend_works_and_says_so(tmp_path, text_file, capsys):
@@ -443,7 +490,7 @@ def test_resume_with_another_attention_backend_works_and_says_so(tmp_path, text_
     assert code == 0, output
     assert ("resuming with --attn naive; the checkpoint was written with sdpa (the weights do not depend on it)"
             in output)
-    assert checkpoint_files.load_file(out / "checkpoint-3.pt")["config"]["execution"]["attn"] == "naive"
+    assert checkpoint_files.load_file(out / "checkpoint-3.safetensors")["config"]["execution"]["attn"] == "naive"
 
 
 def test_text_that_is_not_utf8_is_named(tmp_path, capsys):

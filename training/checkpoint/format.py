@@ -149,6 +149,8 @@ def load_legacy(path: Path, allow_pickle: bool) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=False)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as e:
+        if "Unsupported global" not in str(e):  # no object to trust: a damaged or foreign file, named as it is
+            raise
         raise CheckpointFormatError("written by an earlier version with pickle, which can run code when loaded; "
                                     "pass --allow-pickle if you trust this file") from None

@@ -72,7 +72,10 @@ def _read(out: Path, ctx: DistContext, warn: Callable[[str], None], allow_pickle
         if not sharded_checkpoint.exists(dcp) and single:
             raise ResumeError(f"no sharded checkpoint at {dcp}, but {single[0]} exists: a single-file checkpoint "
                               "resumes with --parallel ddp or none, not fsdp")
-        return dcp, sharded_checkpoint.load_extras(dcp)
+        try:
+            return dcp, sharded_checkpoint.load_extras(dcp)
+        except checkpoint.CheckpointFormatError as e:
+            raise checkpoint_files.CheckpointError(f"sharded checkpoint {dcp} does not load: {e}") from None
     if not single and dcp.exists():
         raise ResumeError(f"no checkpoint-<step>{checkpoint_files.SUFFIX} in {out}, but the sharded FSDP checkpoint "
                           f"{dcp} exists: resume with --parallel fsdp, or consolidate it first with `python -m "

@@ -27,7 +27,7 @@ from training.run.files import fsync_dir
 DCP_DIR_NAME = "checkpoint_dcp"
 EXTRAS_FILE = "extras.safetensors"
 _METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata",
                                               "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
                                               "MetadataIndex", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
@@ -48,6 +48,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a sharded checkpoint's metadata may not refer to {module}.{name}")
 
 
+def read_metadata(directory: Path) -> Any:
+    """DCP's metadata of `directory`, unpickled with _MetadataUnpickler; CheckpointFormatError (one line, naming the
+    file) if it refers to anything else or does not unpickle. Checked before DCP reads it: DCP reports a failed read
+    as a CheckpointException, a BaseException with every rank's traceback in its text."""
+    path = directory / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001 - whatever a crafted or damaged file raises, one line names it
+        raise format.CheckpointFormatError(f"{path}: {e or type(e).__name__}") from None
+
+
 def safe_reader(path: Path) -> Any:
     """DCP's FileSystemReader, its metadata read with _MetadataUnpickler."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -55,8 +67,7 @@ def safe_reader(path: Path) -> Any:
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            metadata = read_metadata(Path(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -143,8 +154,11 @@ def exists(path: Path) -> bool:
 
 
 def load_extras(path: Path) -> dict[str, Any]:
-    """Step, RNG states, scaler, configuration and the optimizer's non-tensor state, saved next to the shards."""
-    return format.load(resolve(path) / EXTRAS_FILE)
+    """Step, RNG states, scaler, configuration and the optimizer's non-tensor state, saved next to the shards (the
+    shards' metadata checked first)."""
+    directory = resolve(path)
+    read_metadata(directory)
+    return format.load(directory / EXTRAS_FILE)
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -156,6 +170,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None
     optimizer_tensors, _ = split_optimizer(optimizer_state)
     state = {"model": model_state, **optimizer_tensors}
     directory = resolve(path)
+    read_metadata(directory)
     dcp.load(state, storage_reader=safe_reader(directory))
     rest = format.load(directory / EXTRAS_FILE)["optimizer"]
     loaded = join_optimizer({k: v for k, v in state.items() if k != "model"}, rest)
@@ -171,6 +186,7 @@ def load_full(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     directory = resolve(path)
+    read_metadata(directory)
     state: dict[str, Any] = {}
     # The same calls as torch.distributed.checkpoint.format_utils.dcp_to_torch_save, which takes no `keys`.
     _load_state_dict(state, storage_reader=safe_reader(directory), planner=_EmptyStateDictLoadPlanner(keys=keys),

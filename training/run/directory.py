@@ -27,7 +27,7 @@ from training.parallel.distributed import DistContext
 from training.run.files import fsync_dir, remove_leftovers, temp_path
 
 LOCK_NAME = ".lock"
-CHECKPOINT_PATTERNS = ("checkpoint.pt", "checkpoint-*.pt", "checkpoint_dcp")
+CHECKPOINT_PATTERNS = ("checkpoint-*.safetensors", "checkpoint.pt", "checkpoint-*.pt", "checkpoint_dcp")
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -239,9 +239,11 @@ def claim(out: Path, resume: bool, overwrite: bool, say: Callable[[str], None] =
 
 @contextlib.contextmanager
 def owned(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> Iterator[None]:
-    """Rank 0 holds --out's lock for the whole run (`claim`); every rank stops if it cannot take it. A directory the
-    claim created is removed again if the run fails before writing anything into it."""
-    lock, error, created = None, None, not out.exists()
+    """Rank 0 holds --out's lock for the whole run (`claim`); every rank stops if it cannot take it. The directories
+    the claim created (--out and any missing parent) are removed again if the run fails before writing anything into
+    them."""
+    lock, error = None, None
+    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     if ctx.is_main:
         try:
             lock = claim(out, resume, overwrite)
@@ -254,9 +256,9 @@ def owned(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> Iterato
     finally:
         if lock is not None:
             lock.release()
-            if created:
+            for path in created:
                 with contextlib.suppress(OSError):
-                    out.rmdir()  # only if empty: a run that wrote nothing leaves nothing
+                    path.rmdir()  # only if empty: a run that wrote nothing leaves nothing
 
 
 def prepare(out: Path, overwrite: bool, say: Callable[[str], None] = _stderr) -> None:

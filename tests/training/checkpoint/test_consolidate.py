@@ -43,9 +43,12 @@ def write_sharded(tmp_path, steps: int = 2):
 
 def test_consolidated_file_loads_into_one_process(tmp_path):
     path, weights, moments = write_sharded(tmp_path)
-    consolidate.consolidate(path, tmp_path / "full.pt")  # no process group from here on
-    loaded = checkpoint.load(tmp_path / "full.pt")
+    consolidate.consolidate(path, tmp_path / "full.safetensors")  # no process group from here on
+    loaded = checkpoint.load(tmp_path / "full.safetensors")
     assert loaded["step"] == 2 and loaded["config"] == CONFIG.to_dict()
+    assert set(loaded["optimizer"]["state"]) == set(weights), "keyed by parameter name"
+    assert [g["params"] for g in loaded["optimizer"]["param_groups"]] == [
+        [n for n, w in weights.items() if w.dim() >= 2], [n for n, w in weights.items() if w.dim() < 2]]
     model = TransformerLM(ModelConfig.from_dict(loaded["config"]["model"]))
     model.load_state_dict(loaded["model"])  # strict: the same names
     for name, p in model.named_parameters():
@@ -58,16 +61,17 @@ def test_consolidated_file_loads_into_one_process(tmp_path):
 
 
 def test_consolidated_file_resumes_the_run_in_one_process(tmp_path):
-    """As the module says: copied to <out>/checkpoint-<step>.pt, `train.py --resume` continues in one process."""
+    """As the module says: copied to <out>/checkpoint-<step>.safetensors, `train.py --resume` continues in one
+    process."""
     path, weights, moments = write_sharded(tmp_path)
     out = tmp_path / "run"
-    consolidate.consolidate(path, out / "checkpoint-2.pt")
+    consolidate.consolidate(path, out / "checkpoint-2.safetensors")
     model = TransformerLM(CFG, "naive")
     optimizer = adamw(model)
     one_process = CONFIG.replace(execution={"parallel": "none"})
     resumed = load_checkpoint(out, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), one_process,
                               DistContext(), warn=lambda m: pytest.fail(m))
-    assert resumed.step == 2 and resumed.path == out / "checkpoint-2.pt"
+    assert resumed.step == 2 and resumed.path == out / "checkpoint-2.safetensors"
     assert resumed.changes == ["resuming with --parallel none; the checkpoint was written with fsdp (the weights do "
                                "not depend on it)"]
     for name, p in model.named_parameters():
@@ -77,12 +81,12 @@ def test_consolidated_file_resumes_the_run_in_one_process(tmp_path):
 
 def test_cli_model_only_and_missing_directory(tmp_path, capsys):
     path, weights, _ = write_sharded(tmp_path, steps=1)
-    assert consolidate.main([str(path), str(tmp_path / "w.pt"), "--model-only"]) == 0
+    assert consolidate.main([str(path), str(tmp_path / "w.safetensors"), "--model-only"]) == 0
     n = sum(w.numel() for w in weights.values())
     assert f"step 1, {n / 1e6:.1f}M parameters" in capsys.readouterr().out
-    loaded = checkpoint.load(tmp_path / "w.pt")
+    loaded = checkpoint.load(tmp_path / "w.safetensors")
     assert "optimizer" not in loaded and loaded["model"].keys() == weights.keys()
-    assert consolidate.main([str(tmp_path / "nope"), str(tmp_path / "x.pt")]) == 1
+    assert consolidate.main([str(tmp_path / "nope"), str(tmp_path / "x.safetensors")]) == 1
     assert "no sharded checkpoint to resume from at" in capsys.readouterr().err
 
 
@@ -91,14 +95,7 @@ def test_help_names_the_module_to_run_and_the_keys_it_writes(capsys):
         consolidate.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert f"python -m {consolidate.__name__} runs/x/{sharded.DCP_DIR_NAME} runs/x/consolidated.pt" in text
+    assert (f"python -m {consolidate.__name__} runs/x/{sharded.DCP_DIR_NAME} runs/x/consolidated.safetensors"
+            in text)
     assert consolidate.__name__ == "training.checkpoint.consolidate"
-    assert 'ModelConfig.from_dict(ck["config"]["model"])' in text and "model_config" not in text
-
-
-def test_optimizer_state_is_reindexed_by_position_over_groups():
-    state = {"state": {"b": {"exp_avg": 2}, "a": {"exp_avg": 1}, "c": {"exp_avg": 3}},
-             "param_groups": [{"lr": 1.0, "params": ["a", "b"]}, {"lr": 2.0, "params": ["c"]}]}
-    assert consolidate.optimizer_state_by_index(state) == {
-        "state": {1: {"exp_avg": 2}, 0: {"exp_avg": 1}, 2: {"exp_avg": 3}},
-        "param_groups": [{"lr": 1.0, "params": [0, 1]}, {"lr": 2.0, "params": [2]}]}
+    assert "checkpoint-<step>.safetensors" in text and "model_config" not in text

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from model import ModelConfig, TransformerLM
+from tests.checkpoints import legacy_rng_state
 from training.checkpoint import files as checkpoint_files
 from training.checkpoint import format as checkpoint
+from training.checkpoint.files import CheckpointError
 from training.checkpoint.inference import run_config_of
 from training.checkpoint.resume import (ResumeError, Resumed, check_architecture, execution_changes, load_checkpoint,
                                         optimizers_of, save_checkpoint)
@@ -91,7 +93,7 @@ def test_save_then_load_restores_model_optimizer_scaler_rng_and_step(tmp_path):
     config = resolved()
     a, step_a = trained(config, seed=0)
     path = save_checkpoint(tmp_path, a, step_a.optimizer, torch.amp.GradScaler("cpu", init_scale=2.0 ** 7), 7, config)
-    assert path == tmp_path / "checkpoint-7.pt"
+    assert path == tmp_path / "checkpoint-7.safetensors"
     after_save = (torch.rand(4), np.random.rand(2), random.random())  # the RNGs come back to the moment of saving
 
     state = checkpoint_files.load_file(path)
@@ -152,7 +154,7 @@ def test_a_checkpoint_older_than_a_config_field_had_its_default(tmp_path):
     path = checkpoint_files.candidates(out)[0]
     state = checkpoint_files.load_file(path)
     del state["config"]["model"]["window"]
-    torch.save(state, path)
+    checkpoint.save(state, path)
     resume(out, CONFIG, torch.amp.GradScaler("cpu", enabled=False))  # the default: the same model
     with pytest.raises(ResumeError, match=rf"^checkpoint {path} was written for another model: --window None "
                                           r"\(asked 8\)$"):
@@ -160,7 +162,7 @@ def test_a_checkpoint_older_than_a_config_field_had_its_default(tmp_path):
 
 
 def test_another_model_is_refused_naming_its_flags(tmp_path):
-    path = tmp_path / "checkpoint-3.pt"
+    path = tmp_path / "checkpoint-3.safetensors"
     state = {"config": CONFIG.to_dict()}
     check_architecture(path, state, CFG)
     check_architecture(path, {"model_config": {**CFG.to_dict(), "attn": "flash"}}, CFG)  # an earlier version's
@@ -192,18 +194,20 @@ def test_execution_changes_name_what_runs_differently():
 
 
 def old_checkpoint(out: Path, model: torch.nn.Module, optimizer, step: int) -> Path:
-    """A checkpoint as an earlier version wrote it: the optimizer's own state dict (keyed by index; one per parameter
-    under the former --overlap-optimizer), the model config with the switches since retired, and the flags as
-    "args"."""
+    """A checkpoint as an earlier version wrote it, torch.save's pickle as `checkpoint-<step>.pt`: the optimizer's own
+    state dict (keyed by index; one per parameter under the former --overlap-optimizer), the model config with the
+    switches since retired, the flags as "args", and the RNG states as pickled objects (NumPy's among them)."""
     model_config = {**CFG.to_dict(), "attn": "naive", "fp32_weight_grads": True, "fused_rope": False,
                     "fp32_residual": False, "fused_gate_up": True}
     args = {"data": "corpus.txt", "batch_size": 8, "seed": 3, "eval_batches": 4, "dtype": "fp32", "steps": 100,
             "compile_scope": "blocks", "overlap_optimizer": False, "no_checkpoint": False}
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": {}, "step": step,
-             "rng": checkpoint.rng_state(), "model_config": model_config, "args": args}
+             "rng": legacy_rng_state(), "model_config": model_config, "args": args}
     for opt in optimizers_of(optimizer):
         assert all(isinstance(k, int) for k in opt.state_dict()["state"])
-    return checkpoint_files.save(state, out, step, keep=2)
+    path = out / f"checkpoint-{step}.pt"
+    torch.save(state, path)
+    return path
 
 
 @pytest.mark.parametrize("written, read", [(1.0, 1.0), (1.0, 0.0), (0.0, 0.0), (0.0, 1.0)],
@@ -215,17 +219,24 @@ def test_an_old_format_checkpoint_still_resumes(tmp_path, written, read):
     a, step_a = trained(resolved(grad_clip=written), seed=0)
     assert isinstance(step_a.optimizer, OverlappedOptimizer) == (written == 0)
     path = old_checkpoint(tmp_path, a, step_a.optimizer, 5)
+    after_save = np.random.rand(2)
     config = resolved(grad_clip=read)
     b, step_b = trained(config, seed=1, steps=0)
+    with pytest.raises(CheckpointError, match=rf"^no checkpoint in {tmp_path} loads: checkpoint-5.pt \(written by an "
+                                              r"earlier version with pickle, .* pass --allow-pickle if you trust this "
+                                              r"file\)$"):
+        load_checkpoint(tmp_path, b, step_b.optimizer, step_b.scaler, config, DistContext(), no_warning)
+    config = config.replace(run={"allow_pickle": True})
     resumed = load_checkpoint(tmp_path, b, step_b.optimizer, step_b.scaler, config, DistContext(), no_warning)
     assert resumed == Resumed(5, path, [])
+    assert np.array_equal(np.random.rand(2), after_save), "its NumPy RNG state restored"
     assert_same_weights(a, b)
     assert_same_optimizer_state(a, step_a.optimizer, b, step_b.optimizer)
 
 
 def test_run_config_of_an_old_format_checkpoint(tmp_path):
     a, step_a = trained(resolved(), seed=0, steps=1)
-    state = checkpoint_files.load_file(old_checkpoint(tmp_path, a, step_a.optimizer, 5))
+    state = checkpoint_files.load_file(old_checkpoint(tmp_path, a, step_a.optimizer, 5), allow_pickle=True)
     assert run_config_of(state) == Config(model=CFG).replace(
         execution={"attn": "naive", "dtype": "fp32"}, data={"data": "corpus.txt", "batch_size": 8},
         run={"seed": 3, "eval_batches": 4})
@@ -242,7 +253,8 @@ def test_run_config_of_a_checkpoint_is_its_config():
 def test_the_other_kind_of_checkpoint_is_named(tmp_path):
     (tmp_path / "checkpoint_dcp").mkdir()
     model = TransformerLM(CFG, "naive")
-    with pytest.raises(ResumeError, match=rf"^no checkpoint-<step>.pt in {tmp_path}, but the sharded FSDP checkpoint "
+    with pytest.raises(ResumeError, match=rf"^no checkpoint-<step>.safetensors in {tmp_path}, but the sharded FSDP "
+                                          rf"checkpoint "
                                           rf"{tmp_path}/checkpoint_dcp exists: resume with --parallel fsdp, or "
                                           r"consolidate it first with `python -m training.checkpoint.consolidate "):
         load_checkpoint(tmp_path, model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu"),

@@ -69,6 +69,7 @@ def test_large_vocabularies_are_stored_as_uint32(corpus_dir, tmp_path, monkeypat
     class WideBytes(ByteTokenizer):
         vocab_size = 70_000  # ids still bytes, but a vocabulary beyond uint16
     monkeypatch.setattr(prepare_module, "ByteTokenizer", WideBytes)
+    monkeypatch.setattr("training.data.prepared.load_tokenizer", lambda kind, directory: WideBytes())
     meta, _ = prepare(resolve(str(corpus_dir)), tmp_path / "out", Settings(tokenizer="bytes", vocab_size=256))
     data = load_prepared(tmp_path / "out")
     assert meta["dtype"] == "uint32" and data.splits["train"].tokens.dtype == np.uint32
@@ -93,10 +94,15 @@ def test_same_content_is_reused_and_changed_content_is_not(corpus_dir, tmp_path)
     stamp = (out / "train.bin").stat().st_mtime_ns
     again, reused = prepare(resolve(str(corpus_dir)), out, SMALL_BPE)
     assert reused and again == meta and (out / "train.bin").stat().st_mtime_ns == stamp
-    other, reused = prepare(resolve(str(corpus_dir)), out, Settings(vocab_size=300))  # other settings
+    with pytest.raises(PreparedDataError, match=rf"^--out {out} holds data prepared from another input or settings "
+                                                r"\(text files under .*corpus \(3 files\), bpe 400\); pass --overwrite "
+                                                "to replace it$"):
+        prepare(resolve(str(corpus_dir)), out, Settings(vocab_size=300))  # other settings
+    assert json.loads((out / "meta.json").read_text()) == meta
+    other, reused = prepare(resolve(str(corpus_dir)), out, Settings(vocab_size=300), overwrite=True)
     assert not reused and other["vocab_size"] == 300
     (corpus_dir / "a_stories.txt").write_text("A changed story.<|endoftext|>The end came soon.\n")
-    changed, reused = prepare(resolve(str(corpus_dir)), out, Settings(vocab_size=300))
+    changed, reused = prepare(resolve(str(corpus_dir)), out, Settings(vocab_size=300), overwrite=True)
     assert not reused and changed["key"] != other["key"]
     assert load_prepared(out).tokenizer().decode(documents_of(load_prepared(out), "train")[0]) == "A changed story."
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"], "no temporary directory left behind"
@@ -111,7 +117,7 @@ def test_a_failed_prepare_leaves_the_old_result(corpus_dir, tmp_path, monkeypatc
     monkeypatch.setattr(prepare_module, "_encode", broken)
     (corpus_dir / "a_stories.txt").write_text("new text\n")
     with pytest.raises(OSError, match="disk full"):
-        prepare(resolve(str(corpus_dir)), out, SMALL_BPE)
+        prepare(resolve(str(corpus_dir)), out, SMALL_BPE, overwrite=True)
     assert json.loads((out / "meta.json").read_text()) == meta
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
 

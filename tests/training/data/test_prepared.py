@@ -1,6 +1,8 @@
 """training/data/prepared.py: reading a prepared directory, checked against its meta.json."""
 
 import json
+import re
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ from training.data.prepare import Settings, prepare
 from training.data.prepared import PreparedDataError, is_prepared, load_prepared, open_prepared, read_meta
 
 BYTES = Settings(tokenizer="bytes", vocab_size=256)
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 @pytest.fixture
@@ -70,3 +73,85 @@ def test_damaged_prepared_directories(out):
 def test_what_counts_as_prepared(tmp_path, out):
     assert is_prepared(out) and not is_prepared(tmp_path / "corpus") and not is_prepared(out / "train.bin")
     assert read_meta(tmp_path / "corpus") is None
+
+
+@pytest.fixture
+def bpe(tmp_path) -> tuple[Path, Path]:
+    """Two prepared BPE directories of the same vocabulary size, from two corpora: their tokenizers differ."""
+    dirs = []
+    for name, source in (("one", "textwrap.py"), ("two", "shlex.py")):
+        (tmp_path / f"{name}.txt").write_text((STDLIB / source).read_text())
+        prepare(resolve(str(tmp_path / f"{name}.txt")), tmp_path / f"bpe-{name}", Settings(vocab_size=300))
+        dirs.append(tmp_path / f"bpe-{name}")
+    return dirs[0], dirs[1]
+
+
+def edit_meta(directory: Path, change) -> None:
+    meta = read_meta(directory)
+    change(meta)
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.update(dtype="uint32"), r"meta.json says dtype 'uint32', but a vocabulary of 300 is stored as uint16; "
+                                         "prepare the data again$"),
+    (lambda m: m.update(dtype="int8"), r"meta.json says dtype 'int8', but a vocabulary of 300 is stored as uint16"),
+    (lambda m: m.pop("eod_id"), r"meta.json lacks 'eod_id' or it is not a int; prepare the data again$"),
+    (lambda m: m.pop("tokenizer_fingerprint"), r"meta.json lacks 'tokenizer_fingerprint' or it is not a str"),
+    (lambda m: m.update(vocab_size="300"), r"meta.json lacks 'vocab_size' or it is not a int"),
+    (lambda m: m["splits"].pop("val"), r"meta.json lacks the val split's tokens, bytes, documents"),
+    (lambda m: m["splits"]["train"].pop("documents"), r"meta.json lacks the train split's tokens, bytes, documents"),
+    (lambda m: m.update(eod_id=300), r"meta.json: eod_id 300 is outside the vocabulary of 300$"),
+    (lambda m: m.update(vocab_size=320), r"tokenizer.json is not the tokenizer meta.json records \(fingerprint "
+                                         r"\w+, vocabulary 300; recorded \w+, 320\); prepare the data again$"),
+    (lambda m: m["splits"]["train"].update(documents=m["splits"]["train"]["documents"] + 1),
+     r"train_docs.npy lists 1 documents, meta.json 2; prepare it again$"),
+    (lambda m: m["splits"]["val"].update(tokens=m["splits"]["val"]["tokens"] - 1),
+     r"val.bin holds \d+ bytes, but meta.json says \d+ uint16 tokens; prepare it again$"),
+], ids=["dtype-too-wide", "dtype-not-unsigned", "no-eod-id", "no-tokenizer-fingerprint", "vocab-a-string",
+        "no-val-split", "no-doc-count", "eod-outside", "vocab-disagrees-with-tokenizer", "doc-count", "token-count"])
+def test_meta_json_that_disagrees_is_one_line_naming_the_file_and_key(bpe, change, message):
+    one, _ = bpe
+    edit_meta(one, change)
+    with pytest.raises(PreparedDataError) as e:
+        load_prepared(one)
+    assert "\n" not in str(e.value) and str(e.value).startswith(str(one))
+    assert re.search(message, str(e.value)), str(e.value)
+
+
+def test_a_swapped_tokenizer_is_refused(bpe):
+    one, two = bpe
+    assert read_meta(one)["vocab_size"] == read_meta(two)["vocab_size"] == 300
+    (one / "tokenizer.json").write_bytes((two / "tokenizer.json").read_bytes())
+    with pytest.raises(PreparedDataError, match=rf"^{one}/tokenizer.json is not the tokenizer meta.json records "
+                                                rf"\(fingerprint {read_meta(two)['tokenizer_fingerprint']}, vocabulary "
+                                                rf"300; recorded {read_meta(one)['tokenizer_fingerprint']}, 300\)"):
+        open_prepared(one, context_length=8)
+    (one / "tokenizer.json").unlink()
+    with pytest.raises(PreparedDataError, match=rf"^{one}: {one} has no tokenizer.json$"):
+        load_prepared(one)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_flipped_bytes_in_a_token_file_are_named(out, split):
+    path = out / f"{split}.bin"
+    data = bytearray(path.read_bytes())
+    for i in (10, 11, 12):
+        data[i] ^= 0x01  # still byte ids below 256: only the checksum tells
+    path.write_bytes(bytes(data))
+    with pytest.raises(PreparedDataError, match=rf"^{path} does not match the checksum written with it \(the file is "
+                                                r"damaged or was replaced\); prepare it again$"):
+        open_prepared(out, context_length=8)
+
+
+def test_truncated_token_files_are_named(out):
+    path = out / "train.bin"
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])
+    with pytest.raises(PreparedDataError, match=rf"^{path} holds {len(data) - 1} bytes, not a whole number of uint16 "
+                                                "tokens; prepare it again$"):
+        load_prepared(out)
+    path.write_bytes(data[:-2])
+    with pytest.raises(PreparedDataError, match=rf"^{path} holds {len(data) - 2} bytes, but meta.json says "
+                                                rf"{len(data) // 2} uint16 tokens; prepare it again$"):
+        load_prepared(out)

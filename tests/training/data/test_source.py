@@ -7,7 +7,7 @@ from training.data import DataError, DataSource, open_source, vocab_of
 from training.data.corpus import resolve
 from training.data.prepare import Settings, prepare
 from training.data.prepared import load_prepared
-from training.data.source import check_token_ids, split_train_val
+from training.data.source import check_token_ids, content_crc, split_train_val
 from training.data.synthetic import SYNTHETIC_TOKENS, SYNTHETIC_VOCAB
 from training.data.tokenizer import BYTE_VOCAB
 
@@ -39,13 +39,16 @@ def test_open_source_dispatches_every_kind(tmp_path, prepared_dir):
     for spec in (str(tmp_path / "a.txt"), str(tmp_path / "docs"), None):
         source = builtin if spec is None else open_source(spec, CONTEXT, cache)
         assert source.vocab_size == BYTE_VOCAB and (source.token_bytes == 1).all() and not source.has_documents
-        assert source.identity == {"kind": "bytes", "source": spec or "builtin"} and source.tokenizer is None
+        assert source.identity == {"kind": "bytes", "source": spec or "builtin",
+                                   "fingerprint": content_crc(np.concatenate([source.train, source.val]))}
+        assert source.tokenizer is None
     assert open_source(str(tmp_path / "docs"), CONTEXT, cache).description.startswith("text files under ")
 
     for name in ("t.bin", "t.npy"):
         source = open_source(str(tmp_path / name), CONTEXT, cache)
         assert source.vocab_size is None and source.token_bytes is None and not source.has_documents
-        assert source.identity == {"kind": "tokens", "source": str(tmp_path / name)}
+        assert source.identity == {"kind": "tokens", "source": str(tmp_path / name),
+                                   "fingerprint": content_crc(np.concatenate([source.train, source.val]))}
         np.testing.assert_array_equal(np.concatenate([source.train, source.val]), tokens)
 
     prepared = open_source(str(prepared_dir), CONTEXT, cache)
@@ -57,7 +60,8 @@ def test_open_source_dispatches_every_kind(tmp_path, prepared_dir):
         np.testing.assert_array_equal(prepared.split(split), data.splits[split].tokens)
         np.testing.assert_array_equal(prepared.doc_starts[split], data.splits[split].doc_starts)
     assert prepared.identity == {
-        "kind": "prepared", "source": str(prepared_dir), "corpus": data.meta["source"], "key": data.meta["key"],
+        "kind": "prepared", "source": str(prepared_dir), "corpus": data.meta["source"],
+        "fingerprint": f"prepared:{data.meta['key']}",
         "tokenizer": "bytes", "tokenizer_fingerprint": data.meta["tokenizer_fingerprint"], "vocab_size": BYTE_VOCAB,
         "eod_id": 0}
 
@@ -65,7 +69,8 @@ def test_open_source_dispatches_every_kind(tmp_path, prepared_dir):
     assert synthetic.vocab_size == SYNTHETIC_VOCAB and synthetic.token_bytes is None and not synthetic.has_documents
     assert len(synthetic.train) + len(synthetic.val) == SYNTHETIC_TOKENS
     assert int(np.max(synthetic.train)) < SYNTHETIC_VOCAB
-    assert synthetic.identity == {"kind": "synthetic", "source": "synthetic", "vocab_size": SYNTHETIC_VOCAB, "seed": 3}
+    assert synthetic.identity == {"kind": "synthetic", "source": "synthetic", "vocab_size": SYNTHETIC_VOCAB, "seed": 3,
+                                  "fingerprint": f"synthetic:{SYNTHETIC_VOCAB}:3"}
     again, other = open_source("synthetic", CONTEXT, cache, seed=3), open_source("synthetic", CONTEXT, cache, seed=4)
     np.testing.assert_array_equal(again.train, synthetic.train)
     assert not np.array_equal(other.train, synthetic.train)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from training.data import DataError
+from training.data.source import content_crc
 from training.data.text import open_text, text_problem
 from training.data.tokenizer import BYTE_VOCAB
 
@@ -20,7 +21,9 @@ def test_default_corpus_is_the_stdlib_as_bytes(tmp_path):
     assert len(source.train) + len(source.val) > 1_000_000
     assert len(source.val) == int(0.05 * (len(source.train) + len(source.val)))
     assert b"def " in bytes(np.asarray(source.train[:200_000], dtype=np.uint8))
-    assert source.identity == {"kind": "bytes", "source": "builtin"} and not source.has_documents
+    assert source.identity == {"kind": "bytes", "source": "builtin",
+                               "fingerprint": content_crc(np.concatenate([source.train, source.val]))}
+    assert not source.has_documents
     assert list(tmp_path.glob("stdlib-*.bin")), "byte tokens are cached as .bin"
 
 
@@ -35,7 +38,10 @@ def test_text_file_and_directory(tmp_path):
     warnings = []
     both = open_text(str(tmp_path / "docs"), tmp_path / "cache", context_length=8, warn=warnings.append)
     assert all_bytes(both) == (b"hello world\n" * 10) + b"\n" + "héllo".encode()
-    assert both.vocab_size == BYTE_VOCAB and both.identity == {"kind": "bytes", "source": str(tmp_path / "docs")}
+    assert both.vocab_size == BYTE_VOCAB and both.identity == {
+        "kind": "bytes", "source": str(tmp_path / "docs"), "fingerprint": content_crc(np.concatenate([both.train,
+                                                                                                      both.val]))}
+    assert one.identity["fingerprint"] != both.identity["fingerprint"], "a fingerprint of the content"
     assert warnings == [f"warning: --data {tmp_path / 'docs'}: skipping {tmp_path / 'docs' / 'blob.dat'}, which is "
                         "binary, not text (it holds NUL bytes)"]
     # The cache is used the second time, and the warning is repeated from it.

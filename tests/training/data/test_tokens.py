@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from training.data import DataError
+from training.data.source import content_crc
 from training.data.tokens import open_tokens
 
 
@@ -18,7 +19,8 @@ def test_token_files(tmp_path):
         assert source.vocab_size is None and source.token_bytes is None and not source.has_documents
         np.testing.assert_array_equal(np.concatenate([source.train, source.val]), tokens)
         assert len(source.val) == 50
-        assert source.identity == {"kind": "tokens", "source": str(tmp_path / name)}
+        assert source.identity == {"kind": "tokens", "source": str(tmp_path / name),
+                                   "fingerprint": content_crc(np.concatenate([source.train, source.val]))}
     assert open_tokens(tmp_path / "t.bin", 16).description == f"uint16 token file {tmp_path / 't.bin'}"
 
 

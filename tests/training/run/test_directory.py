@@ -163,12 +163,16 @@ def test_a_new_run_into_a_run_names_resume_and_overwrite(tmp_path):
     run_dir.check_new_run(tmp_path, resume=False, overwrite=False)  # empty: fine
     (tmp_path / "metrics.jsonl").write_text("")  # a run that wrote nothing: nothing to lose
     run_dir.check_new_run(tmp_path, resume=False, overwrite=False)
-    (tmp_path / "checkpoint-20.pt").write_bytes(b"x")
+    (tmp_path / "checkpoint-20.safetensors").write_bytes(b"x")
+    with pytest.raises(RunDirError, match=r"already holds a run \(checkpoint-20.safetensors\); continue it with"):
+        run_dir.check_new_run(tmp_path, resume=False, overwrite=False)  # a checkpoint alone is a run
+    (tmp_path / "checkpoint-20.pt").write_bytes(b"x")  # and an earlier version's
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(RunDirError) as e:
         run_dir.check_new_run(tmp_path, resume=False, overwrite=False)
-    assert str(e.value) == (f"{tmp_path} already holds a run (checkpoint-20.pt, metrics.jsonl); continue it with "
-                            f"--resume, or start over with --overwrite (moves it to {tmp_path}.old-<UTC time>)")
+    assert str(e.value) == (f"{tmp_path} already holds a run (checkpoint-20.pt, checkpoint-20.safetensors, "
+                            "metrics.jsonl); continue it with --resume, or start over with --overwrite (moves it to "
+                            f"{tmp_path}.old-<UTC time>)")
     run_dir.check_new_run(tmp_path, resume=True, overwrite=False)
     run_dir.check_new_run(tmp_path, resume=False, overwrite=True)
 
@@ -186,7 +190,7 @@ def test_claim_refusing_a_run_leaves_no_lock(tmp_path):
 def test_overwrite_moves_the_run_aside_and_keeps_the_lock(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    for name in ("checkpoint-5.pt", "metrics.jsonl"):
+    for name in ("checkpoint-5.safetensors", "metrics.jsonl"):
         (out / name).write_text(name)
     (out / "wandb").mkdir()
     messages = []
@@ -194,7 +198,7 @@ def test_overwrite_moves_the_run_aside_and_keeps_the_lock(tmp_path):
         run_dir.prepare(out, overwrite=True, say=messages.append)
         assert [p.name for p in out.iterdir()] == [LOCK_NAME]
     [old] = tmp_path.glob("run.old-*")
-    assert sorted(p.name for p in old.iterdir()) == ["checkpoint-5.pt", "metrics.jsonl", "wandb"]
+    assert sorted(p.name for p in old.iterdir()) == ["checkpoint-5.safetensors", "metrics.jsonl", "wandb"]
     assert (old / "metrics.jsonl").read_text() == "metrics.jsonl"
     assert messages == [f"--overwrite: moved the earlier run in {out} to {old}"]
     stamp = datetime.strptime(old.name.removeprefix("run.old-"), "%Y%m%d-%H%M%S").replace(tzinfo=timezone.utc)
@@ -204,20 +208,21 @@ def test_overwrite_moves_the_run_aside_and_keeps_the_lock(tmp_path):
 def test_move_aside_never_reuses_a_name(tmp_path):
     out = tmp_path / "run"
     now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
-    for expected in ("run.old-20260102-030405", "run.old-20260102-030405-2"):
+    for expected, name in (("run.old-20260102-030405", "checkpoint-1.safetensors"),
+                           ("run.old-20260102-030405-2", "checkpoint-1.pt")):
         out.mkdir(exist_ok=True)
-        (out / "checkpoint-1.pt").write_text("x")
+        (out / name).write_text("x")
         assert run_dir.move_aside(out, now).name == expected
     assert run_dir.move_aside(out, now) is None  # no run left to move
 
 
 def test_prepare_removes_leftovers_of_killed_writes(tmp_path):
-    (tmp_path / ".checkpoint-5.pt.tmp-123-abcd").write_bytes(b"\0" * 2**20)
+    (tmp_path / ".checkpoint-5.safetensors.tmp-123-abcd").write_bytes(b"\0" * 2**20)
     (tmp_path / ".metrics.jsonl.tmp-99-0000").write_text("{}")
-    (tmp_path / "checkpoint-4.pt").write_text("kept")
+    (tmp_path / "checkpoint-4.safetensors").write_text("kept")
     messages = []
     run_dir.prepare(tmp_path, overwrite=False, say=messages.append)
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-4.pt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-4.safetensors"]
     assert messages == [f"{tmp_path}: removed 2 temporary files left by an interrupted write (1.0 MiB)"]
 
 
@@ -230,18 +235,36 @@ def test_owned_holds_the_lock_for_the_run_and_releases_it_whatever_happens(tmp_p
                 pass
         assert (out / LOCK_NAME).exists(), "the refused second owner leaves the first one's lock"
     assert not (out / LOCK_NAME).exists()
+    assert not out.exists(), "a run that wrote nothing leaves no directory it created"
     with pytest.raises(KeyError):  # a run that fails: the lock goes all the same
         with run_dir.owned(out, resume=False, overwrite=False, ctx=DistContext()):
             raise KeyError("boom")
+    assert not out.exists()
+    out.mkdir()  # a directory it did not create stays, empty or not
+    with run_dir.owned(out, resume=False, overwrite=False, ctx=DistContext()):
+        pass
     assert list(out.iterdir()) == []
+    with run_dir.owned(tmp_path / "written", resume=False, overwrite=False, ctx=DistContext()):
+        (tmp_path / "written" / "config.json").write_text("{}")
+    assert [p.name for p in (tmp_path / "written").iterdir()] == ["config.json"]
+    with pytest.raises(KeyError):  # the parents it created go too, unless something else was written there
+        with run_dir.owned(tmp_path / "a" / "b" / "run", resume=False, overwrite=False, ctx=DistContext()):
+            raise KeyError("boom")
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(KeyError):
+        with run_dir.owned(tmp_path / "a" / "b" / "run", resume=False, overwrite=False, ctx=DistContext()):
+            (tmp_path / "a" / ".token_cache").mkdir()
+            raise KeyError("boom")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == [".token_cache"]
 
 
 def test_owned_refuses_a_new_run_into_a_run_and_takes_no_lock(tmp_path):
-    (tmp_path / "checkpoint-3.pt").write_bytes(b"x")
-    with pytest.raises(RunDirError, match="already holds a run \\(checkpoint-3.pt\\); continue it with --resume"):
+    (tmp_path / "checkpoint-3.safetensors").write_bytes(b"x")
+    with pytest.raises(RunDirError, match="already holds a run \\(checkpoint-3.safetensors\\); continue it with "
+                                          "--resume"):
         with run_dir.owned(tmp_path, resume=False, overwrite=False, ctx=DistContext()):
             pytest.fail("the body must not run")
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-3.pt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-3.safetensors"]
     with run_dir.owned(tmp_path, resume=True, overwrite=False, ctx=DistContext()):
         assert (tmp_path / LOCK_NAME).exists()
     assert not (tmp_path / LOCK_NAME).exists()

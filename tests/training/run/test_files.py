@@ -4,10 +4,10 @@ from training.run.files import is_temp, remove_leftovers, temp_path, write_atomi
 
 
 def test_temporary_names_are_unique_hidden_and_recognised(tmp_path):
-    target = tmp_path / "checkpoint-3.pt"
+    target = tmp_path / "checkpoint-3.safetensors"
     names = {temp_path(target).name for _ in range(100)}
     assert len(names) == 100
-    assert all(n.startswith(".checkpoint-3.pt.tmp-") and is_temp(tmp_path / n) for n in names)
+    assert all(n.startswith(".checkpoint-3.safetensors.tmp-") and is_temp(tmp_path / n) for n in names)
     assert not is_temp(target) and not is_temp(tmp_path / ".lock")
 
 
