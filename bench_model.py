@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import pickle
 import re
 import shlex
 import sys
@@ -45,7 +44,8 @@ from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
 from benchmarking.timing import peak_allocated_bytes, reset_peak_memory, summarize, synchronize
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
-from profiling.memory_snapshot import VIEWER_URL, format_peak, peak_report, record_memory_history, snapshot_unavailable
+from profiling.memory_snapshot import (VIEWER_URL, format_peak, load_snapshot, peak_report, record_memory_history,
+                                      snapshot_unavailable)
 from profiling.torch_profile import kernel_markdown, profile_steps
 from training import fp8
 from training.cli import OneLineParser, add_field
@@ -508,7 +508,7 @@ def profile_point(runner: Runner, ids: torch.Tensor, targets: torch.Tensor, args
             for _ in range(args.snapshot_steps):
                 runner.step(ids, targets)
             synchronize(device)
-        tqdm.write(format_peak(peak_report(pickle.loads(path.read_bytes()), device.index or 0), top=12))
+        tqdm.write(format_peak(peak_report(load_snapshot(path), device.index or 0), top=12))
         tqdm.write(f"memory snapshot: {path} (drag it onto {VIEWER_URL}, or python -m profiling.memory_snapshot)")
 
 

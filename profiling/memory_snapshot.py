@@ -11,7 +11,7 @@ import contextlib
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -137,6 +137,20 @@ def format_peak(report: PeakReport, top: int = 20) -> str:
     return "\n".join(lines)
 
 
+class _SnapshotUnpickler(pickle.Unpickler):
+    """A snapshot is plain dicts, lists, strings and numbers: any class in the file (code a crafted one would run) is
+    refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a memory snapshot may not refer to {module}.{name}")
+
+
+def load_snapshot(path: Path) -> dict:
+    """A memory snapshot pickle, read without running anything it could carry."""
+    with path.open("rb") as f:
+        return _SnapshotUnpickler(f).load()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="What was live at the peak of a CUDA memory snapshot pickle.")
     parser.add_argument("snapshot", type=Path,
@@ -146,8 +160,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     if not args.snapshot.is_file():
         parser.error(f"no snapshot file at {args.snapshot}")
-    with args.snapshot.open("rb") as f:
-        snapshot = pickle.load(f)
+    try:
+        snapshot = load_snapshot(args.snapshot)
+    except (pickle.UnpicklingError, EOFError, ValueError) as e:
+        parser.error(f"{args.snapshot} is not a memory snapshot: {e}")
     print(format_peak(peak_report(snapshot, args.device), args.top))
 
 

@@ -96,3 +96,24 @@ def test_peak_report_cli_reads_a_pickle_and_names_a_missing_file(tmp_path, capsy
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.pickle")])
     assert "no snapshot file at" in capsys.readouterr().err
+
+
+def test_a_snapshot_that_names_a_class_is_refused_without_running_it(tmp_path):
+    import pickle
+
+    from profiling.memory_snapshot import load_snapshot
+
+    marker = tmp_path / "ran"
+
+    class Crafted:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [Crafted()]}))
+    with pytest.raises(pickle.UnpicklingError, match="may not refer to"):
+        load_snapshot(path)
+    assert not marker.exists()
+    plain = {"segments": [{"blocks": [], "device": 0}], "device_traces": [[]]}
+    path.write_bytes(pickle.dumps(plain))
+    assert load_snapshot(path) == plain
