@@ -151,8 +151,8 @@ def slow_writes(which: set[str]) -> Callable[[Callable[[bytes], None]], None]:
 
         real_step = TrainingStep.__call__
 
-        def step(self, x, y, doc_ids=None):
-            result = real_step(self, x, y, doc_ids)
+        def step(self, *args, **kwargs):
+            result = real_step(self, *args, **kwargs)
             notify(b"s")
             return result
 
@@ -244,8 +244,8 @@ def nan_weight_after(step: int) -> Callable[[Callable[[bytes], None]], None]:
     def patch(notify: Callable[[bytes], None]) -> None:
         real_step, calls = TrainingStep.__call__, {"n": 0}
 
-        def step_then_nan(self, x, y, doc_ids=None):
-            result = real_step(self, x, y, doc_ids)
+        def step_then_nan(self, *args, **kwargs):
+            result = real_step(self, *args, **kwargs)
             calls["n"] += 1
             if calls["n"] == step:
                 self.model.embed.weight.data[3, 5] = float("nan")
