@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any, Optional
@@ -98,15 +99,19 @@ def save(state: dict[str, Any], path: Path) -> None:
     tensors, rest = _split(state)
     meta = {"format": FORMAT, "state": rest, "checksums": {k: checksum(t) for k, t in tensors.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
+    # In a temporary directory of our own: safetensors writes through a temporary file of its own naming, which a kill
+    # would otherwise leave beside the checkpoints where nothing recognises it.
+    tmp_dir = temp_path(path)
+    tmp_dir.mkdir()
     try:
+        tmp = tmp_dir / path.name
         save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta)})
         os.chmod(tmp, 0o644)  # as the run's other files: readable by those the run is shared with
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     fsync_dir(path.parent)
 
 

@@ -8,6 +8,7 @@ one process that owns the directory (remove_leftovers).
 from __future__ import annotations
 
 import os
+import shutil
 import secrets
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -51,14 +52,22 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def remove_leftovers(directory: Path) -> list[tuple[Path, int]]:
-    """Delete the temporary files of writes that were killed half-way; returns (path, bytes) of each.
+    """Delete the temporary files (and directories) of writes that were killed half-way; returns (path, bytes) of
+    each.
 
     Only for a directory this process owns (its run lock is held): a live writer's temporary file would go too.
     """
     removed = []
     for p in sorted(directory.glob(f".*{TEMP_MARK}*")):
-        if p.is_file() and not p.is_symlink():
+        if p.is_symlink():
+            continue
+        if p.is_file():
             size = p.stat().st_size
             p.unlink(missing_ok=True)
-            removed.append((p, size))
+        elif p.is_dir():
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            continue
+        removed.append((p, size))
     return removed
