@@ -32,18 +32,9 @@ class HFLlama(nn.Module):
         super().__init__()
         LlamaConfig, LlamaForCausalLM = _llama_classes()
         self.cfg = cfg
-<<<<<<< HEAD
-        self.hf = LlamaForCausalLM(LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-            max_position_embeddings=cfg.context_length, rope_theta=cfg.rope_theta, rms_norm_eps=1e-5,
-            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, use_cache=False,
-            attn_implementation="sdpa"))
-=======
         # The same architecture as ours (model/hf_llama.py maps the config), GQA included.
         self.hf = LlamaForCausalLM(LlamaConfig(**hf_llama.llama_config(cfg), use_cache=False,
                                                attn_implementation="sdpa"))
->>>>>>> hf-interop
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.hf(input_ids=ids, use_cache=False).logits  # (batch, seq, vocab)
@@ -58,39 +49,9 @@ class HFLlama(nn.Module):
 
 
 def llama_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-<<<<<<< HEAD
-    """Our TransformerLM's weights under LlamaForCausalLM's names, so both compute the same function.
-
-    Our RoPE rotates the pairs (2i, 2i+1) of a head, Llama's `rotate_half` the pairs (i, i + d_head/2), at the same
-    frequencies: the q and k rows of each head are reordered (even rows, then odd ones). q.k is unchanged by it.
-    """
-    cfg = model.cfg
-    d_head = cfg.d_head
-    within = torch.cat([torch.arange(0, d_head, 2), torch.arange(1, d_head, 2)])
-    rows = (torch.arange(cfg.n_heads)[:, None] * d_head + within).flatten().to(model.embed.weight.device)
-    kv_rows = rows[:cfg.kv_heads * d_head]  # the same reordering of each of the key/value heads
-    state = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.final_norm.weight,
-             "lm_head.weight": model.lm_head.weight}
-    for i, block in enumerate(model.blocks):
-        q, k, v = block.attn.qkv.weight.split([cfg.d_model, cfg.kv_heads * d_head, cfg.kv_heads * d_head])
-        prefix = f"model.layers.{i}."
-        state.update({
-            prefix + "input_layernorm.weight": block.attn_norm.weight,
-            prefix + "self_attn.q_proj.weight": q[rows],
-            prefix + "self_attn.k_proj.weight": k[kv_rows],
-            prefix + "self_attn.v_proj.weight": v,
-            prefix + "self_attn.o_proj.weight": block.attn.out.weight,
-            prefix + "post_attention_layernorm.weight": block.ffn_norm.weight,
-            prefix + "mlp.gate_proj.weight": block.ffn.w1.weight,
-            prefix + "mlp.up_proj.weight": block.ffn.w3.weight,
-            prefix + "mlp.down_proj.weight": block.ffn.w2.weight,
-        })
-    return {name: t.detach().clone() for name, t in state.items()}
-=======
     """Our TransformerLM's weights under LlamaForCausalLM's names, so both compute the same function (copies: the
     mapping, with its RoPE row order, is model/hf_llama.py's)."""
     return {name: t.detach().clone() for name, t in hf_llama.to_llama(model.state_dict(), model.cfg).items()}
->>>>>>> hf-interop
 
 
 def llama_from(model: nn.Module) -> HFLlama:
