@@ -45,6 +45,7 @@ from benchmarking.environment import describe, environment_info
 from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_message
 from benchmarking.timing import to_mib
+from training.cli import OneLineParser
 
 SEED_SEQ_LENS = [256, 1024, 4096, 8192, 16384]
 FLASH_SEQ_LENS = [128 * 2**i for i in range(10)]  # 128 .. 65536
@@ -166,8 +167,9 @@ def _names(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    """The flags; an error is one line and exit status 2 (OneLineParser), never a usage dump."""
+    p = OneLineParser(
         prog="bench_attention.py",
         description="Time and memory of each attention backend at each size; see the module docstring.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -624,15 +626,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
         print(_backend_listing())
         return None
     cfg = resolve_config(args, parser)
+    if args.decode and (args.softcap is not None or args.doc_len is not None):
+        parser.error("--decode times GQA (--kv-heads) and windows (--window); --softcap and --doc-len do not "
+                     "apply to it")
     cfg.command = shlex.join(["python", "bench_attention.py", *(sys.argv[1:] if argv is None else argv)])
     _allow_many_compilations()
     environment = environment_info(cfg.device)
     print(f"bench_attention on {describe(environment)}", file=sys.stderr)
 
     if args.decode:
-        if args.softcap is not None or args.doc_len is not None:
-            parser.error("--decode times GQA (--kv-heads) and windows (--window); --softcap and --doc-len do not "
-                         "apply to it")
         return decode_points(args, cfg, environment)
 
     if args.explain_memory:

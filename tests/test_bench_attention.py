@@ -193,12 +193,15 @@ def test_presets_and_overrides():
     (["--window", "0"], "argument --window: sizes must be positive, got 0"),
     (["--preset", "variants", "--seq-lens", "64"], "--seq-lens: --preset variants lists its own points"),
     (["--preset", "training", "--window", "64"], "--window: --preset training lists its own points"),
+    (["--decode", "1", "--softcap", "5"], "--decode times GQA (--kv-heads) and windows (--window); --softcap"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_attention.main(argv)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err  # one line, no usage dump
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
