@@ -24,7 +24,6 @@ How each figure is measured: benchmarking/attention_measure.py.
 from __future__ import annotations
 
 import argparse
-import datetime
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from benchmarking.decode import DECODE_COLUMNS, attention_decode_rows
 from benchmarking.environment import describe, environment_info
 from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_message
+from benchmarking.output import earlier_results, new_out_dir
 from benchmarking.timing import to_mib
 from training.cli import OneLineParser
 
@@ -195,7 +195,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--warmup", type=_non_negative_int, help="untimed calls before timing (default: 10)")
     p.add_argument("--seed", type=_non_negative_int, help="random seed of the inputs (default: 0)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
-    p.add_argument("--out", type=Path, help="output folder (default: runs/bench_attention/<timestamp>)")
+    p.add_argument("--out", type=Path, help="output folder, new or empty: one that holds an earlier run's results "
+                                            "is refused (default: a new runs/bench_attention/<time> per run)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
     p.add_argument("--wandb-project", default="bench_attention")
@@ -285,7 +286,7 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if merged["dtypes"] is None:
         merged["dtypes"] = ["bf16"] if device == "cuda" else ["fp32"]
     causal = {"yes": [True], "no": [False], "both": [False, True]}[merged["causal"]]
-    out = args.out or Path("runs/bench_attention") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or new_out_dir(Path("runs/bench_attention"))
     return Config(
         backends=list(dict.fromkeys(merged["backends"])), baseline=merged["baseline"], batch=merged["batch"],
         heads=merged["heads"], seq_lens=list(merged["seq_lens"]), d_heads=list(merged["d_heads"]),
@@ -629,6 +630,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
     if args.decode and (args.softcap is not None or args.doc_len is not None):
         parser.error("--decode times GQA (--kv-heads) and windows (--window); --softcap and --doc-len do not "
                      "apply to it")
+    if not args.explain_memory and (problem := earlier_results(cfg.out)):  # --explain-memory writes no files
+        parser.error(problem)
     cfg.command = shlex.join(["python", "bench_attention.py", *(sys.argv[1:] if argv is None else argv)])
     _allow_many_compilations()
     environment = environment_info(cfg.device)

@@ -26,7 +26,6 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Optional, Sequence
 
@@ -42,6 +41,7 @@ from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
 from benchmarking.model_memory import explain_memory, format_breakdown, measure_saved_bytes, param_count
 from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
+from benchmarking.output import earlier_results, new_out_dir
 from benchmarking.timing import peak_allocated_bytes, reset_peak_memory, summarize, synchronize
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, after "
                         "a one-GPU baseline on rank 0, and rows report scaling efficiency")
     o = p.add_argument_group("output")
-    o.add_argument("--out", help="directory for results.md/.csv/.json and plots (default: a new "
-                                 "runs/bench_model/<time> per run)")
+    o.add_argument("--out", help="directory for results.md/.csv/.json and plots, new or empty: one that holds an "
+                                 "earlier run's results is refused (default: a new runs/bench_model/<time> per run)")
     o.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
     pr = p.add_argument_group("profiling")
     pr.add_argument("--nvtx", action="store_true",
@@ -289,20 +289,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = check_args(p, p.parse_args(argv))
     if args.out is None:
         args.out = str(new_out_dir(Path("runs/bench_model")))
+    elif not args.explain_precision and (problem := earlier_results(Path(args.out))):  # which writes no files
+        p.error(problem)
     launcher = ["python"] if args.parallel == "none" else ["torchrun", "--nproc-per-node", str(args.world_size)]
     args.command = shlex.join([*launcher, "bench_model.py", *argv])  # recorded in results.md
     return args
-
-
-def new_out_dir(root: Path) -> Path:
-    """A folder under `root` named by the time, that no earlier run wrote (-2, -3, ... after a run of the same
-    second)."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, n = root / stamp, 1
-    while path.exists():
-        n += 1
-        path = root / f"{stamp}-{n}"
-    return path
 
 
 def point_config(args: argparse.Namespace, model: ModelConfig, attn: str, dtype: str, compile_: bool, graph: bool,

@@ -265,3 +265,16 @@ def test_variant_flags_measure_every_backend_against_the_float64_reference(tmp_p
     assert all(r["check"] == "ok" for r in capped.rows if r["backend"] != "sdpa")
     text = (tmp_path / "capped" / "results.md").read_text()
     assert "softcap=5" in text and "does not support logit soft-capping" in text
+
+
+def test_an_out_folder_with_an_earlier_run_is_refused(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    argv = ["--backends", "naive", "--seq-lens", "16", "--d-heads", "16", "--heads", "1", "--iters", "1", "--warmup",
+            "0", "--no-plots"]
+    assert bench_attention.main([*argv, "--out", str(tmp_path / "empty")]).complete  # an empty folder is taken
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.main([*argv, "--out", str(tmp_path / "empty")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "holds an earlier run's results (results.md, results.csv, results.json)" in err
