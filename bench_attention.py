@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from tqdm import tqdm
 
 from attention import backend_names, list_attention
 from benchmarking import report
@@ -46,6 +45,7 @@ from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_m
 from benchmarking.output import earlier_results, new_out_dir
 from benchmarking.timing import to_mib
 from training.cli import OneLineParser
+from training.progress import Progress
 
 SEED_SEQ_LENS = [256, 1024, 4096, 8192, 16384]
 FLASH_SEQ_LENS = [128 * 2**i for i in range(10)]  # 128 .. 65536
@@ -328,7 +328,7 @@ def _add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
             row[f"{pass_name}_ratio"] = mine / theirs if mine is not None and theirs else None
 
 
-def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = None, time_passes: bool = True
+def run_point(point: AttentionPoint, cfg: Config, progress: Optional[Progress] = None, time_passes: bool = True
               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows for every backend at `point` (same inputs for all), and the measured saved tensors per backend."""
     saved_by_backend: dict[str, Any] = {}
@@ -349,7 +349,7 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
     for backend in cfg.backends:
         label = f"{backend} {point.label()}"
         if progress is not None:
-            progress.set_postfix_str(label, refresh=False)
+            progress.report(label)
         row = _row(point, backend, cfg.device, inputs_mib)
         try:
             outcome = call_catching_oom(
@@ -359,7 +359,7 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
                 label=label)
         except Exception as exc:  # noqa: BLE001 -- a broken backend is a result row; the sweep goes on
             row.update(status="error", note=f"{type(exc).__name__}: {short_message(exc)}")
-            tqdm.write(f"error: {label}: {row['note']}", file=sys.stderr)
+            (progress.write if progress is not None else _stderr)(f"error: {label}: {row['note']}")
         else:
             if outcome.oom:
                 row.update(status=OOM_STATUS, note=outcome.message)
@@ -380,22 +380,30 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
     return rows, saved_by_backend
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_sweep(cfg: Config, environment: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], bool]:
     """(rows, complete). Ctrl-C or SIGTERM ends the sweep early with the rows measured so far; results.csv
     and results.json are rewritten after every point, so even a hard kill leaves the finished points."""
     points = cfg.points()
     total = len(points) * len(cfg.backends)
     rows: list[dict[str, Any]] = []
+    progress = Progress(total, "bench_attention", unit="run", every_s=30.0)  # plain lines, not a bar, in a log
     try:
-        with sigterm_as_interrupt(), tqdm(total=total, desc="bench_attention", unit="run", file=sys.stderr) as bar:
+        with sigterm_as_interrupt():
             for point in points:
-                point_rows, _ = run_point(point, cfg, bar)
+                point_rows, _ = run_point(point, cfg, progress)
                 rows.extend(point_rows)
                 report.write_csv(rows, cfg.out / "results.csv", COLUMNS)
                 report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict())
     except KeyboardInterrupt:
+        progress.close()
         note_interrupted(len(rows), total)
         return rows, False
+    finally:
+        progress.close()
     return rows, True
 
 

@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from attention import backend_names, list_attention
 from benchmarking.oom import INJECT_OOM_ENV
 from benchmarking.report import read_csv
 
+REPO = Path(__file__).resolve().parents[1]
 SEQS, DS = (16, 32), (16, 32)
 OOM_LABEL = "sdpa b1 h2 seq=16 d=16"  # sdpa at the first point only
 
@@ -278,3 +282,15 @@ def test_an_out_folder_with_an_earlier_run_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert "holds an earlier run's results (results.md, results.csv, results.json)" in err
+
+
+def test_piped_progress_is_plain_lines(tmp_path):
+    """A log file gets lines, never the carriage returns of a bar."""
+    argv = ["--backends", "naive,sdpa", "--seq-lens", "16,32", "--d-heads", "16", "--heads", "1", "--iters", "1",
+            "--warmup", "0", "--no-plots", "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "bench_attention.py", *argv], cwd=REPO, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"\r" not in done.stdout and b"\r" not in done.stderr
+    lines = done.stderr.decode().splitlines()
+    assert "bench_attention 0/4 runs: naive b1 h1 seq=16 d=16 fp32 causal" in lines
+    assert lines[-1].startswith("wrote 4 rows to ")
