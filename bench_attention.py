@@ -40,7 +40,7 @@ from benchmarking.attention_point import DTYPES, AttentionInputs, AttentionPoint
 from benchmarking.attention_reference import RELATIVE_TOLERANCE, Reference, reference
 from benchmarking.decode import DECODE_COLUMNS, attention_decode_rows
 from benchmarking.environment import describe, environment_info
-from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
+from benchmarking.interruption import STOPPED_STATUS, note_interrupted, stop_reason, stops_promptly, tell
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_message
 from benchmarking.output import earlier_results, new_out_dir
 from benchmarking.timing import to_mib
@@ -384,27 +384,50 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_sweep(cfg: Config, environment: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], bool]:
-    """(rows, complete). Ctrl-C or SIGTERM ends the sweep early with the rows measured so far; results.csv
-    and results.json are rewritten after every point, so even a hard kill leaves the finished points."""
+@dataclass
+class Sweep:
+    """The rows of the finished points, and the point being measured (left out if the sweep stops during it)."""
+
+    cfg: Config
+    environment: Optional[dict[str, Any]]
+    total: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    current: Optional[AttentionPoint] = None
+
+    def stopped(self, reason: str) -> str:
+        """The note of a sweep stopped by `reason`, printed and written to results.md."""
+        dropped = f"the point {self.current.label()}" if self.current is not None else ""
+        return note_interrupted(len(self.rows), self.total, reason, dropped)
+
+    def write_so_far(self, reason: str) -> None:
+        """The watchdog's: the main thread is held inside a call of the current point; write the finished ones."""
+        rows = list(self.rows)
+        write_outputs(rows, self.cfg, self.environment or {}, stopped=self.stopped(reason), plots=False)
+        tell(f"wrote {len(rows)} rows to {self.cfg.out}/ (results.md, results.csv, results.json)")
+
+
+def run_sweep(cfg: Config, environment: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """(rows, None), or (rows so far, why the sweep stopped) when Ctrl-C or SIGTERM ended it early. The point being
+    measured then is left out: its backends' rows would lack the ratios to the baseline. results.csv and results.json
+    are rewritten after every point, so even a hard kill leaves the finished points."""
     points = cfg.points()
-    total = len(points) * len(cfg.backends)
-    rows: list[dict[str, Any]] = []
-    progress = Progress(total, "bench_attention", unit="run", every_s=30.0)  # plain lines, not a bar, in a log
+    sweep = Sweep(cfg, environment, len(points) * len(cfg.backends))
+    progress = Progress(sweep.total, "bench_attention", unit="run", every_s=30.0)
     try:
-        with sigterm_as_interrupt():
+        with stops_promptly(sweep.write_so_far):
             for point in points:
+                sweep.current = point
                 point_rows, _ = run_point(point, cfg, progress)
-                rows.extend(point_rows)
-                report.write_csv(rows, cfg.out / "results.csv", COLUMNS)
-                report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict())
-    except KeyboardInterrupt:
+                sweep.rows.extend(point_rows)
+                sweep.current = None
+                report.write_csv(sweep.rows, cfg.out / "results.csv", COLUMNS)
+                report.write_json(sweep.rows, cfg.out / "results.json", environment, cfg.as_dict())
+    except KeyboardInterrupt as interrupt:
         progress.close()
-        note_interrupted(len(rows), total)
-        return rows, False
+        return sweep.rows, sweep.stopped(stop_reason(interrupt))
     finally:
         progress.close()
-    return rows, True
+    return sweep.rows, None
 
 
 # --- output ----------------------------------------------------------------------------------------------
@@ -440,7 +463,8 @@ def _point_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
     return blocks
 
 
-def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
+def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config, stopped: Optional[str] = None) -> list[str]:
+    """The blocks of results.md; `stopped` is the note of a sweep that Ctrl-C or SIGTERM ended early."""
     memory_key, memory_title = _memory_key(cfg)
     shape = "points as listed" if cfg.listed_points is not None else f"batch {cfg.batch}, heads {cfg.heads}"
     blocks = [
@@ -453,6 +477,8 @@ def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
         f"relative error exceeds {', '.join(f'{k} {v:g}' for k, v in RELATIVE_TOLERANCE.items())}. "
         "OOM = ran out of memory; unsupported = the backend cannot run this input (reason in results.csv).",
     ]
+    if stopped:
+        blocks.append(f"**Incomplete**: {stopped.removesuffix('; writing the results so far')}.")
     if cfg.listed_points is not None:
         blocks += _point_blocks(rows, cfg)
     else:
@@ -559,18 +585,20 @@ def write_plots(rows: Sequence[dict[str, Any]], cfg: Config) -> dict[str, Path]:
     return plots
 
 
-def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str, Any]) -> dict[str, Path]:
+def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str, Any],
+                  stopped: Optional[str] = None, plots: bool = True) -> dict[str, Path]:
+    """results.md/.csv/.json, the plots (unless `plots` is False) and W&B as asked; `stopped`: see markdown_blocks."""
     files = {
-        "md": report.write_markdown(cfg.out / "results.md", "Attention benchmark", markdown_blocks(rows, cfg),
-                                    environment),
+        "md": report.write_markdown(cfg.out / "results.md", "Attention benchmark",
+                                    markdown_blocks(rows, cfg, stopped), environment),
         "csv": report.write_csv(rows, cfg.out / "results.csv", COLUMNS),
         "json": report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict()),
     }
     # Plots draw lines over sequence lengths; a preset's listed points are not such a series.
-    plots = write_plots(rows, cfg) if cfg.plots and cfg.listed_points is None else {}
-    files.update(plots)
-    if cfg.wandb:
-        report.log_wandb(rows, mode=cfg.wandb, project=cfg.wandb_project, run_name=cfg.out.name, images=plots,
+    images = write_plots(rows, cfg) if plots and cfg.plots and cfg.listed_points is None else {}
+    files.update(images)
+    if cfg.wandb and plots:
+        report.log_wandb(rows, mode=cfg.wandb, project=cfg.wandb_project, run_name=cfg.out.name, images=images,
                          config=cfg.as_dict(), environment=environment, directory=cfg.out)
     return files
 
@@ -652,28 +680,32 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
         rows, text = explain_memory(cfg)
         print(text)
         return BenchResult(rows, cfg, environment, explanation=text)
+    return sweep_and_write(cfg, environment)
 
-    rows, complete = run_sweep(cfg, environment)
-    files = write_outputs(rows, cfg, environment)
-    bad = [r for r in rows if r["status"] == "error" or r["check"] == "FAIL"]
-    print(f"wrote {len(rows)} rows{'' if complete else ' (sweep stopped early)'} to {cfg.out}/ (results.md, results.csv, results.json"
-          f"{', plots' if cfg.plots else ''})", file=sys.stderr)
-    for r in bad:
-        print(f"  {r['backend']} at seq={r['seq']} d={r['d_head']} {r['dtype']}: "
-              f"{r['status'] if r['status'] == 'error' else 'FAIL, rel_err ' + format(r['rel_err'], '.3g')}"
-              f" {r['note'] or ''}", file=sys.stderr)
-    return BenchResult(rows, cfg, environment, files, complete=complete)
+
+def sweep_and_write(cfg: Config, environment: dict[str, Any]) -> BenchResult:
+    """The sweep, then its files; the rows so far when Ctrl-C or SIGTERM stopped it (complete False)."""
+    rows, stopped = run_sweep(cfg, environment)
+    files = write_outputs(rows, cfg, environment, stopped)
+    tell(f"wrote {len(rows)} rows{'' if stopped is None else ' (sweep stopped early)'} to {cfg.out}/ (results.md, "
+         f"results.csv, results.json{', plots' if cfg.plots and cfg.listed_points is None else ''})")
+    for r in rows:
+        if r["status"] == "error" or r["check"] == "FAIL":
+            print(f"  {r['backend']} at seq={r['seq']} d={r['d_head']} {r['dtype']}: "
+                  f"{r['status'] if r['status'] == 'error' else 'FAIL, rel_err ' + format(r['rel_err'], '.3g')}"
+                  f" {r['note'] or ''}", file=sys.stderr)
+    return BenchResult(rows, cfg, environment, files, complete=stopped is None)
 
 
 def cli() -> int:
-    """Exit status 1 when a backend raised or failed the correctness check, so scripts notice."""
+    """Exit status 1 when a backend raised or failed the correctness check, so scripts notice; 130 when Ctrl-C or
+    SIGTERM stopped the sweep (its files hold the finished points)."""
     result = main()
     if result is None:
         return 0
     if not result.complete:
-        return 130
+        return STOPPED_STATUS
     return int(any(r["status"] == "error" or r.get("check") == "FAIL" for r in result.rows))
-
 
 if __name__ == "__main__":
     sys.exit(cli())

@@ -37,7 +37,7 @@ from benchmarking import precision_report, report
 from benchmarking.decode import sampling_figures
 from benchmarking.environment import describe, environment_info
 from benchmarking.hf_llama import HFLlama
-from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
+from benchmarking.interruption import STOPPED_STATUS, note_interrupted, stop_reason, stops_promptly, tell
 from benchmarking.model_memory import explain_memory, format_breakdown, measure_saved_bytes, param_count
 from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
@@ -621,27 +621,43 @@ def explain_precision(args: argparse.Namespace) -> None:
                 print(f"# {title}\n\n{precision_report.report(model, dtype, args.device)}\n")
 
 
-def sweep(points: list[Point], args: argparse.Namespace, ctx: DistContext) -> tuple[list[dict[str, Any]], bool]:
-    """Measure every point; (rows, whether a Ctrl-C or SIGTERM ended it early). results.csv holds the rows so far."""
-    say = tqdm.write if ctx.is_main else _quiet  # rank 0 alone prints and writes files
+def sweep(points: list[Point], args: argparse.Namespace, ctx: DistContext, env: dict[str, Any]
+          ) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """Measure every point: (rows, None), or (the rows so far, why) when Ctrl-C or SIGTERM ended it early; the
+    configuration being measured then is left out. results.csv holds the rows so far."""
     rows: list[dict[str, Any]] = []
+    current: list[str] = []  # the label of the configuration being measured
     progress = Progress(len(points), "bench_model", unit="config", every_s=60.0, enabled=ctx.is_main)
+
+    def stopped(reason: str) -> str:
+        if not ctx.is_main:  # rank 0 alone prints and writes files
+            return f"stopped by {reason}"
+        return note_interrupted(len(rows), len(points), reason, f"the configuration {current[0]}" if current else "")
+
+    def write_so_far(reason: str) -> None:  # the watchdog's: the main thread is held inside a call of this point
+        note = stopped(reason)
+        if ctx.is_main:
+            paths = write_outputs(list(rows), args, env, stopped=note, plots=False)
+            tell(f"wrote {', '.join(str(p) for p in paths.values())}")
+
     try:  # Ctrl-C or SIGTERM (a time limit) ends the sweep early; the rows so far are still written
-        with sigterm_as_interrupt():
+        with stops_promptly(write_so_far):
             for point in points:
+                current[:] = [point.label]
                 progress.report(point.label)
                 row = (measure_parallel(point, args, ctx) if ctx.is_distributed
                        else measure(point, args, single=len(points) == 1))
                 rows.append(row)
+                current.clear()
                 if ctx.is_main:
                     progress.write(summary_line(row, point.label))
                 progress.update(1)
                 if ctx.is_main:
                     report.write_csv(rows, Path(args.out) / "results.csv", columns=columns_for(args))
-        return rows, False
-    except KeyboardInterrupt:
-        note_interrupted(len(rows), len(points))
-        return rows, True
+        return rows, None
+    except KeyboardInterrupt as interrupt:
+        progress.close()
+        return rows, stopped(stop_reason(interrupt))
     finally:
         progress.close()
 
@@ -660,16 +676,16 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         env = environment_info(args.device)
         say(f"bench_model: {len(args.points)} configurations on {describe(env)}"
             f"{f', {args.parallel} over {ctx.world_size} ranks' if ctx.is_distributed else ''}; writing {args.out}")
-        rows, interrupted = sweep(args.points, args, ctx)
+        rows, stopped = sweep(args.points, args, ctx, env)
         if ctx.is_main:
-            paths = write_outputs(rows, args, env)
+            paths = write_outputs(rows, args, env, stopped)
             if args.wandb:
                 images = {name: p for name, p in paths.items() if name.endswith(".png")}
                 report.log_wandb(rows, mode=args.wandb, project="flash-lm", run_name="bench_model", images=images,
                                  config=run_config(args), environment=env, directory=Path(args.out))
             say(f"wrote {', '.join(str(p) for p in paths.values())}")
-        if interrupted:
-            raise SystemExit(130)  # the files hold the rows so far; the status says the sweep is incomplete
+        if stopped is not None:
+            raise SystemExit(STOPPED_STATUS)  # the files hold the rows so far; the status says the sweep is incomplete
         return rows
     finally:
         ranks.close()
