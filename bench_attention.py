@@ -17,8 +17,11 @@ and the error of the output and gradients against a float64 reference; for flash
 (Triton or Hopper) and why. Out of memory is a row, not a crash.
 --graph-timing adds the forward and forward+backward times of each call replayed from a CUDA graph: the GPU time
 alone, which is what a graphed training step pays. Short problems are bound by host time without it.
-Writes results.md, results.csv, results.json and PNG plots to --out (default runs/bench_attention/<time>).
-How each figure is measured: benchmarking/attention_measure.py.
+Writes results.md, results.csv, results.json and PNG plots to --out (default a new runs/bench_attention/<time> per
+run; a folder that holds an earlier run's results is refused). The presets are sized for a GPU: on a CPU, a sweep
+estimated at hours starts with a warning naming a CPU-sized run like it. Ctrl-C or SIGTERM stops a sweep within
+seconds, keeping the finished points (exit status 130). How each figure is measured:
+benchmarking/attention_measure.py.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from attention import backend_names, list_attention
 from benchmarking import report
+from benchmarking.attention_estimate import rough, sweep_seconds
 from benchmarking.attention_measure import BWD_DIFFERENCE, measure_backend
 from benchmarking.attention_memory import explain_backend, explain_header
 from benchmarking.attention_point import DTYPES, AttentionInputs, AttentionPoint, make_inputs
@@ -50,23 +54,34 @@ from training.progress import Progress
 SEED_SEQ_LENS = [256, 1024, 4096, 8192, 16384]
 FLASH_SEQ_LENS = [128 * 2**i for i in range(10)]  # 128 .. 65536
 
-# Fields a preset sets; explicit command-line flags override each one.
+# Fields a preset sets; explicit command-line flags override each one. Two keys describe the preset instead:
+# "sized_for": "gpu" marks the presets whose shapes take hours or days on a CPU (flash in the Triton interpreter,
+# attention over 16384 positions), and "cpu_run" gives the flags of a run like it that a CPU does in minutes; on a
+# CPU such a preset starts with a warning naming them (cpu_warning).
 PRESETS: dict[str, dict[str, Any]] = {
     # The seed study: batch 8, one head, fp32, no mask, 100 forward and 100 backward passes.
     "seed": {"batch": 8, "heads": 1, "seq_lens": SEED_SEQ_LENS, "d_heads": [16, 32, 64, 128],
-             "dtypes": ["fp32"], "causal": "no", "iters": 100},
+             "dtypes": ["fp32"], "causal": "no", "iters": 100,
+             "sized_for": "gpu", "cpu_run": "--preset seed --seq-lens 128 --d-heads 16,64 --iters 5 --warmup 1"},
     # The FlashAttention-2 benchmark: batch 1, causal, bf16 and fp32, seq 128..65536.
     "flash": {"batch": 1, "heads": 16, "seq_lens": FLASH_SEQ_LENS, "d_heads": [16, 32, 64, 128],
-              "dtypes": ["bf16", "fp32"], "causal": "yes", "iters": 100},
+              "dtypes": ["bf16", "fp32"], "causal": "yes", "iters": 100,
+              "sized_for": "gpu", "cpu_run": "--preset flash --seq-lens 128 --d-heads 64 --dtype fp32 --iters 5 "
+                                             "--warmup 1"},
     # One point, our kernel against the peers; naive would need 16 GiB of probabilities here, so it is left out
     # and the ratio is to PyTorch's own FlashAttention-2 kernel.
     "leaderboard": {"batch": 1, "heads": 16, "seq_lens": [16384], "d_heads": [64], "dtypes": ["bf16"],
                     "causal": "yes", "iters": 100,
-                    "backends": ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "flex"], "baseline": "sdpa-flash"},
+                    "backends": ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "flex"], "baseline": "sdpa-flash",
+                    "sized_for": "gpu", "cpu_run": "--preset leaderboard --seq-lens 256 --dtype fp32 --iters 5 "
+                                                   "--warmup 1"},
     # The attention variants, each alone and all together, beside the plain causal attention of the same shape.
     # sdpa runs windows and documents through a materialised mask; the pinned kernels take GQA only.
     "variants": {"dtypes": ["bf16"], "iters": 100, "backends": ["flash", "sdpa", "sdpa-cudnn", "flex"],
-                 "baseline": "flex", "points": [
+                 "baseline": "flex", "sized_for": "gpu",
+                 "cpu_run": "--backends flash,sdpa,flex --baseline flex --heads 4 --kv-heads 2 --seq-lens 256 "
+                            "--d-heads 64 --window 64 --doc-len 64 --softcap 50 --iters 5 --warmup 1",
+                 "points": [
                      dict(batch=4, heads=32, kv_heads=8, seq=8192, d_head=128, causal=True),
                      dict(batch=1, heads=16, seq=16384, d_head=64, causal=True),
                      dict(batch=1, heads=16, seq=16384, d_head=64, causal=True, window=1024),
@@ -77,7 +92,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The attention of the shapes models train with: long sequences, the small and large presets' layers, the host
     # cost alone (B1 H1 N128), head dim 128, and one without a mask; against SDPA's cuDNN and FlashAttention-2.
     "training": {"dtypes": ["bf16"], "iters": 100, "backends": ["flash", "sdpa-cudnn", "sdpa-flash", "flex"],
-                 "baseline": "sdpa-cudnn", "points": [
+                 "baseline": "sdpa-cudnn", "sized_for": "gpu",
+                 "cpu_run": "--backends flash,sdpa,flex --baseline sdpa --heads 4 --seq-lens 128,256 --d-heads 64 "
+                            "--iters 5 --warmup 1",
+                 "points": [
                      dict(batch=1, heads=16, seq=16384, d_head=64, causal=True),
                      dict(batch=1, heads=16, seq=4096, d_head=64, causal=True),
                      dict(batch=16, heads=12, seq=1024, d_head=64, causal=True),
@@ -88,6 +106,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                      dict(batch=1, heads=32, seq=32768, d_head=128, causal=True),
                      dict(batch=2, heads=16, seq=8192, d_head=64, causal=False)]},
 }
+PRESET_NOTES = ("sized_for", "cpu_run")  # the keys of PRESETS that are not fields of the sweep
+CPU_WARN_S = 600.0  # a sweep estimated longer than this on the CPU starts with a warning
 # Flags that set the shape of the points: presets that list their points take none of them.
 SHAPE_FLAGS = ("batch", "heads", "seq_lens", "d_heads", "causal", "kv_heads", "window", "softcap", "doc_len")
 
@@ -257,7 +277,7 @@ class Config:
 def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
     """Merge explicit flags over the preset over DEFAULTS, and check names against the registry."""
     merged = dict(DEFAULTS)
-    merged.update(PRESETS.get(args.preset, {}))
+    merged.update({k: v for k, v in PRESETS.get(args.preset, {}).items() if k not in PRESET_NOTES})
     if merged["points"] is not None:
         given = [key for key in SHAPE_FLAGS if getattr(args, key) is not None]
         if given:
@@ -283,6 +303,8 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for name in [*merged["backends"], merged["baseline"]]:
         if name not in registered:
             parser.error(f"unknown attention backend {name!r}; valid: {', '.join(registered)}")
+    if not args.decode and (problem := _nothing_runs_here(merged["backends"], args.preset)):
+        parser.error(problem)
     if merged["dtypes"] is None:
         merged["dtypes"] = ["bf16"] if device == "cuda" else ["fp32"]
     causal = {"yes": [True], "no": [False], "both": [False, True]}[merged["causal"]]
@@ -296,6 +318,38 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         kv_heads=merged["kv_heads"], window=merged["window"], softcap=merged["softcap"], doc_len=merged["doc_len"],
         listed_points=merged["points"],
     )
+
+
+def _nothing_runs_here(backends: Sequence[str], preset: Optional[str]) -> Optional[str]:
+    """Why a sweep none of whose backends can run on this machine is refused (it would write only unsupported rows)."""
+    unavailable = {b.name: b.reason for b in list_attention() if not b.available}
+    if not backends or any(name not in unavailable for name in backends):
+        return None
+    which = f"--preset {preset}'s backends" if preset else "--backends"
+    return f"none of {which} can run here: " + "; ".join(f"{name}: {unavailable[name]}" for name in backends)
+
+
+def cpu_warning(cfg: Config, explain: bool = False) -> Optional[str]:
+    """On the CPU, the one line that says a sweep will take long (an estimate) and how to make it CPU-sized, or None;
+    `explain`: of --explain-memory's one untimed point instead.
+
+    A preset marked sized_for gpu names what it is meant for and its cpu_run flags."""
+    if cfg.device != "cpu":
+        return None
+    available = {b.name for b in list_attention() if b.available}
+    points = [explained_point(cfg)] if explain else cfg.points()
+    seconds = sweep_seconds(points, [b for b in cfg.backends if b in available], cfg.warmup, cfg.iters,
+                            timed=not explain)
+    if seconds < CPU_WARN_S:
+        return None
+    about = f"roughly {rough(seconds)} on this CPU" + (
+        " (flash runs in the Triton interpreter)" if "flash" in cfg.backends and "flash" in available else "")
+    preset = PRESETS.get(cfg.preset or "", {})
+    if preset.get("sized_for") == "gpu":
+        return (f"warning: --preset {cfg.preset} is sized for a GPU: {about}; a CPU-sized run like it: "
+                f"python bench_attention.py {preset['cpu_run']}")
+    return (f"warning: this sweep takes {about}; fewer and shorter --seq-lens, fewer --heads and --batch, and "
+            "--iters 5 --warmup 1 make it CPU-sized")
 
 
 # --- the sweep -------------------------------------------------------------------------------------------
@@ -606,12 +660,17 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str
 # --- explain-memory -------------------------------------------------------------------------------------
 
 
-def explain_memory(cfg: Config) -> tuple[list[dict[str, Any]], str]:
-    """Measure one point (largest seq and d_head, first dtype and mask; a preset's first listed point) and explain
-    each backend's memory."""
-    point = cfg.points()[0] if cfg.listed_points is not None else AttentionPoint(
+def explained_point(cfg: Config) -> AttentionPoint:
+    """The one point --explain-memory measures: the largest seq and d_head, the first dtype and mask; a preset's
+    first listed point."""
+    return cfg.points()[0] if cfg.listed_points is not None else AttentionPoint(
         cfg.batch, cfg.heads, max(cfg.seq_lens), max(cfg.d_heads), cfg.dtypes[0], cfg.causal[0], cfg.kv_heads,
         cfg.window, cfg.softcap, cfg.doc_len)
+
+
+def explain_memory(cfg: Config) -> tuple[list[dict[str, Any]], str]:
+    """Measure one point (explained_point) and explain each backend's memory."""
+    point = explained_point(cfg)
     rows, saved = run_point(point, cfg, time_passes=False)
     blocks = [explain_header(point, cfg.device)]
     blocks += [explain_backend(r["backend"], point, r, saved.get(r["backend"])) for r in rows]
@@ -672,10 +731,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
     _allow_many_compilations()
     environment = environment_info(cfg.device)
     print(f"bench_attention on {describe(environment)}", file=sys.stderr)
+    if not args.decode and (warning := cpu_warning(cfg, explain=args.explain_memory)):
+        print(warning, file=sys.stderr, flush=True)
 
     if args.decode:
         return decode_points(args, cfg, environment)
-
     if args.explain_memory:
         rows, text = explain_memory(cfg)
         print(text)
@@ -706,6 +766,7 @@ def cli() -> int:
     if not result.complete:
         return STOPPED_STATUS
     return int(any(r["status"] == "error" or r.get("check") == "FAIL" for r in result.rows))
+
 
 if __name__ == "__main__":
     sys.exit(cli())

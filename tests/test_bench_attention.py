@@ -284,6 +284,34 @@ def test_an_out_folder_with_an_earlier_run_is_refused(tmp_path, capsys):
     assert "holds an earlier run's results (results.md, results.csv, results.json)" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warnings and refusals of a CPU")
+def test_gpu_sized_presets_warn_on_the_cpu_and_name_a_cpu_sized_run(capsys, monkeypatch):
+    parser = bench_attention.build_parser()
+
+    def resolve(*argv):
+        return bench_attention.resolve_config(parser.parse_args([*argv, "--device", "cpu"]), parser)
+
+    for name, preset in bench_attention.PRESETS.items():
+        assert preset["sized_for"] == "gpu"  # every preset is, today; the warning reads the mark
+        warning = bench_attention.cpu_warning(resolve("--preset", name))
+        assert warning.startswith(f"warning: --preset {name} is sized for a GPU: roughly ")
+        assert warning.endswith(f"python bench_attention.py {preset['cpu_run']}") and "\n" not in warning
+        assert bench_attention.cpu_warning(resolve(*preset["cpu_run"].split())) is None  # minutes, not hours
+    # main says so before it starts, then proceeds.
+    monkeypatch.setattr(bench_attention, "sweep_and_write", lambda cfg, environment: "swept")
+    assert bench_attention.main(["--preset", "leaderboard", "--device", "cpu"]) == "swept"
+    assert "warning: --preset leaderboard is sized for a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the pinned SDPA kernels run on a GPU")
+def test_a_sweep_that_cannot_run_here_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.main(["--backends", "sdpa-flash,sdpa-cudnn"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: none of --backends can run here: sdpa-flash: needs a CUDA GPU")
+
+
 def test_piped_progress_is_plain_lines(tmp_path):
     """A log file gets lines, never the carriage returns of a bar."""
     argv = ["--backends", "naive,sdpa", "--seq-lens", "16,32", "--d-heads", "16", "--heads", "1", "--iters", "1",
