@@ -17,14 +17,16 @@ and the error of the output and gradients against a float64 reference; for flash
 (Triton or Hopper) and why. Out of memory is a row, not a crash.
 --graph-timing adds the forward and forward+backward times of each call replayed from a CUDA graph: the GPU time
 alone, which is what a graphed training step pays. Short problems are bound by host time without it.
-Writes results.md, results.csv, results.json and PNG plots to --out (default runs/bench_attention/<time>).
-How each figure is measured: benchmarking/attention_measure.py.
+Writes results.md, results.csv, results.json and PNG plots to --out (default a new runs/bench_attention/<time> per
+run; a folder that holds an earlier run's results is refused). The presets are sized for a GPU: on a CPU, a sweep
+estimated at hours starts with a warning naming a CPU-sized run like it. Ctrl-C or SIGTERM stops a sweep within
+seconds, keeping the finished points (exit status 130). How each figure is measured:
+benchmarking/attention_measure.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -32,40 +34,54 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from tqdm import tqdm
 
 from attention import backend_names, list_attention
 from benchmarking import report
+from benchmarking.attention_estimate import rough, sweep_seconds
 from benchmarking.attention_measure import BWD_DIFFERENCE, measure_backend
 from benchmarking.attention_memory import explain_backend, explain_header
 from benchmarking.attention_point import DTYPES, AttentionInputs, AttentionPoint, make_inputs
 from benchmarking.attention_reference import RELATIVE_TOLERANCE, Reference, reference
 from benchmarking.decode import DECODE_COLUMNS, attention_decode_rows
 from benchmarking.environment import describe, environment_info
-from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
+from benchmarking.interruption import STOPPED_STATUS, note_interrupted, stop_reason, stops_promptly, tell
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory, short_message
+from benchmarking.output import earlier_results, new_out_dir
 from benchmarking.timing import to_mib
+from training.cli import OneLineParser
+from training.progress import Progress
 
 SEED_SEQ_LENS = [256, 1024, 4096, 8192, 16384]
 FLASH_SEQ_LENS = [128 * 2**i for i in range(10)]  # 128 .. 65536
 
-# Fields a preset sets; explicit command-line flags override each one.
+# Fields a preset sets; explicit command-line flags override each one. Two keys describe the preset instead:
+# "sized_for": "gpu" marks the presets whose shapes take hours or days on a CPU (flash in the Triton interpreter,
+# attention over 16384 positions), and "cpu_run" gives the flags of a run like it that a CPU does in minutes; on a
+# CPU such a preset starts with a warning naming them (cpu_warning).
 PRESETS: dict[str, dict[str, Any]] = {
     # The seed study: batch 8, one head, fp32, no mask, 100 forward and 100 backward passes.
     "seed": {"batch": 8, "heads": 1, "seq_lens": SEED_SEQ_LENS, "d_heads": [16, 32, 64, 128],
-             "dtypes": ["fp32"], "causal": "no", "iters": 100},
+             "dtypes": ["fp32"], "causal": "no", "iters": 100,
+             "sized_for": "gpu", "cpu_run": "--preset seed --seq-lens 128 --d-heads 16,64 --iters 5 --warmup 1"},
     # The FlashAttention-2 benchmark: batch 1, causal, bf16 and fp32, seq 128..65536.
     "flash": {"batch": 1, "heads": 16, "seq_lens": FLASH_SEQ_LENS, "d_heads": [16, 32, 64, 128],
-              "dtypes": ["bf16", "fp32"], "causal": "yes", "iters": 100},
+              "dtypes": ["bf16", "fp32"], "causal": "yes", "iters": 100,
+              "sized_for": "gpu", "cpu_run": "--preset flash --seq-lens 128 --d-heads 64 --dtype fp32 --iters 5 "
+                                             "--warmup 1"},
     # One point, our kernel against the peers; naive would need 16 GiB of probabilities here, so it is left out
     # and the ratio is to PyTorch's own FlashAttention-2 kernel.
     "leaderboard": {"batch": 1, "heads": 16, "seq_lens": [16384], "d_heads": [64], "dtypes": ["bf16"],
                     "causal": "yes", "iters": 100,
-                    "backends": ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "flex"], "baseline": "sdpa-flash"},
+                    "backends": ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "flex"], "baseline": "sdpa-flash",
+                    "sized_for": "gpu", "cpu_run": "--preset leaderboard --seq-lens 256 --dtype fp32 --iters 5 "
+                                                   "--warmup 1"},
     # The attention variants, each alone and all together, beside the plain causal attention of the same shape.
     # sdpa runs windows and documents through a materialised mask; the pinned kernels take GQA only.
     "variants": {"dtypes": ["bf16"], "iters": 100, "backends": ["flash", "sdpa", "sdpa-cudnn", "flex"],
-                 "baseline": "flex", "points": [
+                 "baseline": "flex", "sized_for": "gpu",
+                 "cpu_run": "--backends flash,sdpa,flex --baseline flex --heads 4 --kv-heads 2 --seq-lens 256 "
+                            "--d-heads 64 --window 64 --doc-len 64 --softcap 50 --iters 5 --warmup 1",
+                 "points": [
                      dict(batch=4, heads=32, kv_heads=8, seq=8192, d_head=128, causal=True),
                      dict(batch=1, heads=16, seq=16384, d_head=64, causal=True),
                      dict(batch=1, heads=16, seq=16384, d_head=64, causal=True, window=1024),
@@ -76,7 +92,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The attention of the shapes models train with: long sequences, the small and large presets' layers, the host
     # cost alone (B1 H1 N128), head dim 128, and one without a mask; against SDPA's cuDNN and FlashAttention-2.
     "training": {"dtypes": ["bf16"], "iters": 100, "backends": ["flash", "sdpa-cudnn", "sdpa-flash", "flex"],
-                 "baseline": "sdpa-cudnn", "points": [
+                 "baseline": "sdpa-cudnn", "sized_for": "gpu",
+                 "cpu_run": "--backends flash,sdpa,flex --baseline sdpa --heads 4 --seq-lens 128,256 --d-heads 64 "
+                            "--iters 5 --warmup 1",
+                 "points": [
                      dict(batch=1, heads=16, seq=16384, d_head=64, causal=True),
                      dict(batch=1, heads=16, seq=4096, d_head=64, causal=True),
                      dict(batch=16, heads=12, seq=1024, d_head=64, causal=True),
@@ -87,6 +106,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                      dict(batch=1, heads=32, seq=32768, d_head=128, causal=True),
                      dict(batch=2, heads=16, seq=8192, d_head=64, causal=False)]},
 }
+PRESET_NOTES = ("sized_for", "cpu_run")  # the keys of PRESETS that are not fields of the sweep
+CPU_WARN_S = 600.0  # a sweep estimated longer than this on the CPU starts with a warning
 # Flags that set the shape of the points: presets that list their points take none of them.
 SHAPE_FLAGS = ("batch", "heads", "seq_lens", "d_heads", "causal", "kv_heads", "window", "softcap", "doc_len")
 
@@ -166,8 +187,9 @@ def _names(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    """The flags; an error is one line and exit status 2 (OneLineParser), never a usage dump."""
+    p = OneLineParser(
         prog="bench_attention.py",
         description="Time and memory of each attention backend at each size; see the module docstring.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -193,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_non_negative_int, help="untimed calls before timing (default: 10)")
     p.add_argument("--seed", type=_non_negative_int, help="random seed of the inputs (default: 0)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
-    p.add_argument("--out", type=Path, help="output folder (default: runs/bench_attention/<timestamp>)")
+    p.add_argument("--out", type=Path, help="output folder, new or empty: one that holds an earlier run's results "
+                                            "is refused (default: a new runs/bench_attention/<time> per run)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
     p.add_argument("--wandb-project", default="bench_attention")
@@ -254,7 +277,7 @@ class Config:
 def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
     """Merge explicit flags over the preset over DEFAULTS, and check names against the registry."""
     merged = dict(DEFAULTS)
-    merged.update(PRESETS.get(args.preset, {}))
+    merged.update({k: v for k, v in PRESETS.get(args.preset, {}).items() if k not in PRESET_NOTES})
     if merged["points"] is not None:
         given = [key for key in SHAPE_FLAGS if getattr(args, key) is not None]
         if given:
@@ -280,10 +303,12 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for name in [*merged["backends"], merged["baseline"]]:
         if name not in registered:
             parser.error(f"unknown attention backend {name!r}; valid: {', '.join(registered)}")
+    if not args.decode and (problem := _nothing_runs_here(merged["backends"], args.preset)):
+        parser.error(problem)
     if merged["dtypes"] is None:
         merged["dtypes"] = ["bf16"] if device == "cuda" else ["fp32"]
     causal = {"yes": [True], "no": [False], "both": [False, True]}[merged["causal"]]
-    out = args.out or Path("runs/bench_attention") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or new_out_dir(Path("runs/bench_attention"))
     return Config(
         backends=list(dict.fromkeys(merged["backends"])), baseline=merged["baseline"], batch=merged["batch"],
         heads=merged["heads"], seq_lens=list(merged["seq_lens"]), d_heads=list(merged["d_heads"]),
@@ -293,6 +318,38 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         kv_heads=merged["kv_heads"], window=merged["window"], softcap=merged["softcap"], doc_len=merged["doc_len"],
         listed_points=merged["points"],
     )
+
+
+def _nothing_runs_here(backends: Sequence[str], preset: Optional[str]) -> Optional[str]:
+    """Why a sweep none of whose backends can run on this machine is refused (it would write only unsupported rows)."""
+    unavailable = {b.name: b.reason for b in list_attention() if not b.available}
+    if not backends or any(name not in unavailable for name in backends):
+        return None
+    which = f"--preset {preset}'s backends" if preset else "--backends"
+    return f"none of {which} can run here: " + "; ".join(f"{name}: {unavailable[name]}" for name in backends)
+
+
+def cpu_warning(cfg: Config, explain: bool = False) -> Optional[str]:
+    """On the CPU, the one line that says a sweep will take long (an estimate) and how to make it CPU-sized, or None;
+    `explain`: of --explain-memory's one untimed point instead.
+
+    A preset marked sized_for gpu names what it is meant for and its cpu_run flags."""
+    if cfg.device != "cpu":
+        return None
+    available = {b.name for b in list_attention() if b.available}
+    points = [explained_point(cfg)] if explain else cfg.points()
+    seconds = sweep_seconds(points, [b for b in cfg.backends if b in available], cfg.warmup, cfg.iters,
+                            timed=not explain)
+    if seconds < CPU_WARN_S:
+        return None
+    about = f"roughly {rough(seconds)} on this CPU" + (
+        " (flash runs in the Triton interpreter)" if "flash" in cfg.backends and "flash" in available else "")
+    preset = PRESETS.get(cfg.preset or "", {})
+    if preset.get("sized_for") == "gpu":
+        return (f"warning: --preset {cfg.preset} is sized for a GPU: {about}; a CPU-sized run like it: "
+                f"python bench_attention.py {preset['cpu_run']}")
+    return (f"warning: this sweep takes {about}; fewer and shorter --seq-lens, fewer --heads and --batch, and "
+            "--iters 5 --warmup 1 make it CPU-sized")
 
 
 # --- the sweep -------------------------------------------------------------------------------------------
@@ -325,7 +382,7 @@ def _add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
             row[f"{pass_name}_ratio"] = mine / theirs if mine is not None and theirs else None
 
 
-def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = None, time_passes: bool = True
+def run_point(point: AttentionPoint, cfg: Config, progress: Optional[Progress] = None, time_passes: bool = True
               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows for every backend at `point` (same inputs for all), and the measured saved tensors per backend."""
     saved_by_backend: dict[str, Any] = {}
@@ -346,7 +403,7 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
     for backend in cfg.backends:
         label = f"{backend} {point.label()}"
         if progress is not None:
-            progress.set_postfix_str(label, refresh=False)
+            progress.report(label)
         row = _row(point, backend, cfg.device, inputs_mib)
         try:
             outcome = call_catching_oom(
@@ -356,7 +413,7 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
                 label=label)
         except Exception as exc:  # noqa: BLE001 -- a broken backend is a result row; the sweep goes on
             row.update(status="error", note=f"{type(exc).__name__}: {short_message(exc)}")
-            tqdm.write(f"error: {label}: {row['note']}", file=sys.stderr)
+            (progress.write if progress is not None else _stderr)(f"error: {label}: {row['note']}")
         else:
             if outcome.oom:
                 row.update(status=OOM_STATUS, note=outcome.message)
@@ -377,23 +434,54 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[tqdm] = Non
     return rows, saved_by_backend
 
 
-def run_sweep(cfg: Config, environment: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], bool]:
-    """(rows, complete). Ctrl-C or SIGTERM ends the sweep early with the rows measured so far; results.csv
-    and results.json are rewritten after every point, so even a hard kill leaves the finished points."""
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Sweep:
+    """The rows of the finished points, and the point being measured (left out if the sweep stops during it)."""
+
+    cfg: Config
+    environment: Optional[dict[str, Any]]
+    total: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    current: Optional[AttentionPoint] = None
+
+    def stopped(self, reason: str) -> str:
+        """The note of a sweep stopped by `reason`, printed and written to results.md."""
+        dropped = f"the point {self.current.label()}" if self.current is not None else ""
+        return note_interrupted(len(self.rows), self.total, reason, dropped)
+
+    def write_so_far(self, reason: str) -> None:
+        """The watchdog's: the main thread is held inside a call of the current point; write the finished ones."""
+        rows = list(self.rows)
+        write_outputs(rows, self.cfg, self.environment or {}, stopped=self.stopped(reason), plots=False)
+        tell(f"wrote {len(rows)} rows to {self.cfg.out}/ (results.md, results.csv, results.json)")
+
+
+def run_sweep(cfg: Config, environment: Optional[dict[str, Any]] = None) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """(rows, None), or (rows so far, why the sweep stopped) when Ctrl-C or SIGTERM ended it early. The point being
+    measured then is left out: its backends' rows would lack the ratios to the baseline. results.csv and results.json
+    are rewritten after every point, so even a hard kill leaves the finished points."""
     points = cfg.points()
-    total = len(points) * len(cfg.backends)
-    rows: list[dict[str, Any]] = []
+    sweep = Sweep(cfg, environment, len(points) * len(cfg.backends))
+    progress = Progress(sweep.total, "bench_attention", unit="run", every_s=30.0)
     try:
-        with sigterm_as_interrupt(), tqdm(total=total, desc="bench_attention", unit="run", file=sys.stderr) as bar:
+        with stops_promptly(sweep.write_so_far):
             for point in points:
-                point_rows, _ = run_point(point, cfg, bar)
-                rows.extend(point_rows)
-                report.write_csv(rows, cfg.out / "results.csv", COLUMNS)
-                report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict())
-    except KeyboardInterrupt:
-        note_interrupted(len(rows), total)
-        return rows, False
-    return rows, True
+                sweep.current = point
+                point_rows, _ = run_point(point, cfg, progress)
+                sweep.rows.extend(point_rows)
+                sweep.current = None
+                report.write_csv(sweep.rows, cfg.out / "results.csv", COLUMNS)
+                report.write_json(sweep.rows, cfg.out / "results.json", environment, cfg.as_dict())
+    except KeyboardInterrupt as interrupt:
+        progress.close()
+        return sweep.rows, sweep.stopped(stop_reason(interrupt))
+    finally:
+        progress.close()
+    return sweep.rows, None
 
 
 # --- output ----------------------------------------------------------------------------------------------
@@ -429,7 +517,8 @@ def _point_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
     return blocks
 
 
-def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
+def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config, stopped: Optional[str] = None) -> list[str]:
+    """The blocks of results.md; `stopped` is the note of a sweep that Ctrl-C or SIGTERM ended early."""
     memory_key, memory_title = _memory_key(cfg)
     shape = "points as listed" if cfg.listed_points is not None else f"batch {cfg.batch}, heads {cfg.heads}"
     blocks = [
@@ -442,6 +531,8 @@ def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config) -> list[str]:
         f"relative error exceeds {', '.join(f'{k} {v:g}' for k, v in RELATIVE_TOLERANCE.items())}. "
         "OOM = ran out of memory; unsupported = the backend cannot run this input (reason in results.csv).",
     ]
+    if stopped:
+        blocks.append(f"**Incomplete**: {stopped.removesuffix('; writing the results so far')}.")
     if cfg.listed_points is not None:
         blocks += _point_blocks(rows, cfg)
     else:
@@ -548,18 +639,20 @@ def write_plots(rows: Sequence[dict[str, Any]], cfg: Config) -> dict[str, Path]:
     return plots
 
 
-def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str, Any]) -> dict[str, Path]:
+def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str, Any],
+                  stopped: Optional[str] = None, plots: bool = True) -> dict[str, Path]:
+    """results.md/.csv/.json, the plots (unless `plots` is False) and W&B as asked; `stopped`: see markdown_blocks."""
     files = {
-        "md": report.write_markdown(cfg.out / "results.md", "Attention benchmark", markdown_blocks(rows, cfg),
-                                    environment),
+        "md": report.write_markdown(cfg.out / "results.md", "Attention benchmark",
+                                    markdown_blocks(rows, cfg, stopped), environment),
         "csv": report.write_csv(rows, cfg.out / "results.csv", COLUMNS),
         "json": report.write_json(rows, cfg.out / "results.json", environment, cfg.as_dict()),
     }
     # Plots draw lines over sequence lengths; a preset's listed points are not such a series.
-    plots = write_plots(rows, cfg) if cfg.plots and cfg.listed_points is None else {}
-    files.update(plots)
-    if cfg.wandb:
-        report.log_wandb(rows, mode=cfg.wandb, project=cfg.wandb_project, run_name=cfg.out.name, images=plots,
+    images = write_plots(rows, cfg) if plots and cfg.plots and cfg.listed_points is None else {}
+    files.update(images)
+    if cfg.wandb and plots:
+        report.log_wandb(rows, mode=cfg.wandb, project=cfg.wandb_project, run_name=cfg.out.name, images=images,
                          config=cfg.as_dict(), environment=environment, directory=cfg.out)
     return files
 
@@ -567,12 +660,17 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, environment: dict[str
 # --- explain-memory -------------------------------------------------------------------------------------
 
 
-def explain_memory(cfg: Config) -> tuple[list[dict[str, Any]], str]:
-    """Measure one point (largest seq and d_head, first dtype and mask; a preset's first listed point) and explain
-    each backend's memory."""
-    point = cfg.points()[0] if cfg.listed_points is not None else AttentionPoint(
+def explained_point(cfg: Config) -> AttentionPoint:
+    """The one point --explain-memory measures: the largest seq and d_head, the first dtype and mask; a preset's
+    first listed point."""
+    return cfg.points()[0] if cfg.listed_points is not None else AttentionPoint(
         cfg.batch, cfg.heads, max(cfg.seq_lens), max(cfg.d_heads), cfg.dtypes[0], cfg.causal[0], cfg.kv_heads,
         cfg.window, cfg.softcap, cfg.doc_len)
+
+
+def explain_memory(cfg: Config) -> tuple[list[dict[str, Any]], str]:
+    """Measure one point (explained_point) and explain each backend's memory."""
+    point = explained_point(cfg)
     rows, saved = run_point(point, cfg, time_passes=False)
     blocks = [explain_header(point, cfg.device)]
     blocks += [explain_backend(r["backend"], point, r, saved.get(r["backend"])) for r in rows]
@@ -624,41 +722,49 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
         print(_backend_listing())
         return None
     cfg = resolve_config(args, parser)
+    if args.decode and (args.softcap is not None or args.doc_len is not None):
+        parser.error("--decode times GQA (--kv-heads) and windows (--window); --softcap and --doc-len do not "
+                     "apply to it")
+    if not args.explain_memory and (problem := earlier_results(cfg.out)):  # --explain-memory writes no files
+        parser.error(problem)
     cfg.command = shlex.join(["python", "bench_attention.py", *(sys.argv[1:] if argv is None else argv)])
     _allow_many_compilations()
     environment = environment_info(cfg.device)
     print(f"bench_attention on {describe(environment)}", file=sys.stderr)
+    if not args.decode and (warning := cpu_warning(cfg, explain=args.explain_memory)):
+        print(warning, file=sys.stderr, flush=True)
 
     if args.decode:
-        if args.softcap is not None or args.doc_len is not None:
-            parser.error("--decode times GQA (--kv-heads) and windows (--window); --softcap and --doc-len do not "
-                         "apply to it")
         return decode_points(args, cfg, environment)
-
     if args.explain_memory:
         rows, text = explain_memory(cfg)
         print(text)
         return BenchResult(rows, cfg, environment, explanation=text)
+    return sweep_and_write(cfg, environment)
 
-    rows, complete = run_sweep(cfg, environment)
-    files = write_outputs(rows, cfg, environment)
-    bad = [r for r in rows if r["status"] == "error" or r["check"] == "FAIL"]
-    print(f"wrote {len(rows)} rows{'' if complete else ' (sweep stopped early)'} to {cfg.out}/ (results.md, results.csv, results.json"
-          f"{', plots' if cfg.plots else ''})", file=sys.stderr)
-    for r in bad:
-        print(f"  {r['backend']} at seq={r['seq']} d={r['d_head']} {r['dtype']}: "
-              f"{r['status'] if r['status'] == 'error' else 'FAIL, rel_err ' + format(r['rel_err'], '.3g')}"
-              f" {r['note'] or ''}", file=sys.stderr)
-    return BenchResult(rows, cfg, environment, files, complete=complete)
+
+def sweep_and_write(cfg: Config, environment: dict[str, Any]) -> BenchResult:
+    """The sweep, then its files; the rows so far when Ctrl-C or SIGTERM stopped it (complete False)."""
+    rows, stopped = run_sweep(cfg, environment)
+    files = write_outputs(rows, cfg, environment, stopped)
+    tell(f"wrote {len(rows)} rows{'' if stopped is None else ' (sweep stopped early)'} to {cfg.out}/ (results.md, "
+         f"results.csv, results.json{', plots' if cfg.plots and cfg.listed_points is None else ''})")
+    for r in rows:
+        if r["status"] == "error" or r["check"] == "FAIL":
+            print(f"  {r['backend']} at seq={r['seq']} d={r['d_head']} {r['dtype']}: "
+                  f"{r['status'] if r['status'] == 'error' else 'FAIL, rel_err ' + format(r['rel_err'], '.3g')}"
+                  f" {r['note'] or ''}", file=sys.stderr)
+    return BenchResult(rows, cfg, environment, files, complete=stopped is None)
 
 
 def cli() -> int:
-    """Exit status 1 when a backend raised or failed the correctness check, so scripts notice."""
+    """Exit status 1 when a backend raised or failed the correctness check, so scripts notice; 130 when Ctrl-C or
+    SIGTERM stopped the sweep (its files hold the finished points)."""
     result = main()
     if result is None:
         return 0
     if not result.complete:
-        return 130
+        return STOPPED_STATUS
     return int(any(r["status"] == "error" or r.get("check") == "FAIL" for r in result.rows))
 
 

@@ -25,7 +25,6 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Optional, Sequence
 
@@ -37,10 +36,11 @@ from benchmarking import precision_report, report
 from benchmarking.decode import sampling_figures
 from benchmarking.environment import describe, environment_info
 from benchmarking.hf_llama import HFLlama
-from benchmarking.interruption import note_interrupted, sigterm_as_interrupt
+from benchmarking.interruption import STOPPED_STATUS, note_interrupted, stop_reason, stops_promptly, tell
 from benchmarking.model_memory import explain_memory, format_breakdown, measure_saved_bytes, param_count
 from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
+from benchmarking.output import earlier_results, new_out_dir
 from benchmarking.timing import peak_allocated_bytes, reset_peak_memory, summarize, synchronize
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, after "
                         "a one-GPU baseline on rank 0, and rows report scaling efficiency")
     o = p.add_argument_group("output")
-    o.add_argument("--out", help="directory for results.md/.csv/.json and plots (default: a new "
-                                 "runs/bench_model/<time> per run)")
+    o.add_argument("--out", help="directory for results.md/.csv/.json and plots, new or empty: one that holds an "
+                                 "earlier run's results is refused (default: a new runs/bench_model/<time> per run)")
     o.add_argument("--wandb", choices=["offline", "online"], help="also log the table and plots to W&B")
     pr = p.add_argument_group("profiling")
     pr.add_argument("--nvtx", action="store_true",
@@ -289,20 +289,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = check_args(p, p.parse_args(argv))
     if args.out is None:
         args.out = str(new_out_dir(Path("runs/bench_model")))
+    elif not args.explain_precision and (problem := earlier_results(Path(args.out))):  # which writes no files
+        p.error(problem)
     launcher = ["python"] if args.parallel == "none" else ["torchrun", "--nproc-per-node", str(args.world_size)]
     args.command = shlex.join([*launcher, "bench_model.py", *argv])  # recorded in results.md
     return args
-
-
-def new_out_dir(root: Path) -> Path:
-    """A folder under `root` named by the time, that no earlier run wrote (-2, -3, ... after a run of the same
-    second)."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, n = root / stamp, 1
-    while path.exists():
-        n += 1
-        path = root / f"{stamp}-{n}"
-    return path
 
 
 def point_config(args: argparse.Namespace, model: ModelConfig, attn: str, dtype: str, compile_: bool, graph: bool,
@@ -630,27 +621,43 @@ def explain_precision(args: argparse.Namespace) -> None:
                 print(f"# {title}\n\n{precision_report.report(model, dtype, args.device)}\n")
 
 
-def sweep(points: list[Point], args: argparse.Namespace, ctx: DistContext) -> tuple[list[dict[str, Any]], bool]:
-    """Measure every point; (rows, whether a Ctrl-C or SIGTERM ended it early). results.csv holds the rows so far."""
-    say = tqdm.write if ctx.is_main else _quiet  # rank 0 alone prints and writes files
+def sweep(points: list[Point], args: argparse.Namespace, ctx: DistContext, env: dict[str, Any]
+          ) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """Measure every point: (rows, None), or (the rows so far, why) when Ctrl-C or SIGTERM ended it early; the
+    configuration being measured then is left out. results.csv holds the rows so far."""
     rows: list[dict[str, Any]] = []
+    current: list[str] = []  # the label of the configuration being measured
     progress = Progress(len(points), "bench_model", unit="config", every_s=60.0, enabled=ctx.is_main)
+
+    def stopped(reason: str) -> str:
+        if not ctx.is_main:  # rank 0 alone prints and writes files
+            return f"stopped by {reason}"
+        return note_interrupted(len(rows), len(points), reason, f"the configuration {current[0]}" if current else "")
+
+    def write_so_far(reason: str) -> None:  # the watchdog's: the main thread is held inside a call of this point
+        note = stopped(reason)
+        if ctx.is_main:
+            paths = write_outputs(list(rows), args, env, stopped=note, plots=False)
+            tell(f"wrote {', '.join(str(p) for p in paths.values())}")
+
     try:  # Ctrl-C or SIGTERM (a time limit) ends the sweep early; the rows so far are still written
-        with sigterm_as_interrupt():
+        with stops_promptly(write_so_far):
             for point in points:
+                current[:] = [point.label]
                 progress.report(point.label)
                 row = (measure_parallel(point, args, ctx) if ctx.is_distributed
                        else measure(point, args, single=len(points) == 1))
                 rows.append(row)
+                current.clear()
                 if ctx.is_main:
                     progress.write(summary_line(row, point.label))
                 progress.update(1)
                 if ctx.is_main:
                     report.write_csv(rows, Path(args.out) / "results.csv", columns=columns_for(args))
-        return rows, False
-    except KeyboardInterrupt:
-        note_interrupted(len(rows), len(points))
-        return rows, True
+        return rows, None
+    except KeyboardInterrupt as interrupt:
+        progress.close()
+        return rows, stopped(stop_reason(interrupt))
     finally:
         progress.close()
 
@@ -669,16 +676,16 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
         env = environment_info(args.device)
         say(f"bench_model: {len(args.points)} configurations on {describe(env)}"
             f"{f', {args.parallel} over {ctx.world_size} ranks' if ctx.is_distributed else ''}; writing {args.out}")
-        rows, interrupted = sweep(args.points, args, ctx)
+        rows, stopped = sweep(args.points, args, ctx, env)
         if ctx.is_main:
-            paths = write_outputs(rows, args, env)
+            paths = write_outputs(rows, args, env, stopped)
             if args.wandb:
                 images = {name: p for name, p in paths.items() if name.endswith(".png")}
                 report.log_wandb(rows, mode=args.wandb, project="flash-lm", run_name="bench_model", images=images,
                                  config=run_config(args), environment=env, directory=Path(args.out))
             say(f"wrote {', '.join(str(p) for p in paths.values())}")
-        if interrupted:
-            raise SystemExit(130)  # the files hold the rows so far; the status says the sweep is incomplete
+        if stopped is not None:
+            raise SystemExit(STOPPED_STATUS)  # the files hold the rows so far; the status says the sweep is incomplete
         return rows
     finally:
         ranks.close()

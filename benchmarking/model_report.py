@@ -81,8 +81,10 @@ def _mean_std(row: dict[str, Any], phase: str) -> Optional[str]:
     return None if mean is None else f"{mean:.2f} ± {std:.2f}"
 
 
-def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str, Any]) -> list[str]:
-    """The blocks of results.md: settings, one line per configuration, then size x context pivots."""
+def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str, Any],
+                     stopped: Optional[str] = None) -> list[str]:
+    """The blocks of results.md: settings, one line per configuration, then size x context pivots; `stopped` is the
+    note of a sweep that Ctrl-C or SIGTERM ended early."""
     shown = []
     for r in rows:
         d = dict(r)
@@ -103,6 +105,7 @@ def results_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: 
         f"Batch {args.batch_size}{' per GPU' if args.parallel != 'none' else ''}, vocab {args.vocab_size}, "
         f"{args.warmup} warm-up + {args.steps} timed steps per "
         f"configuration, random tokens; {describe(env)}. Times are mean ± sample std, each phase synchronised.",
+        *([f"**Incomplete**: {stopped.removesuffix('; writing the results so far')}."] if stopped else []),
         report.markdown_table(shown, columns, formats={"params_m": ".1f", "tokens_per_s": ".0f", "mfu_pct": ".1f",
                                                         "peak_mem_gib": ".2f"}),
     ]
@@ -146,20 +149,22 @@ def variants(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return groups
 
 
-def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Path]:
-    """results.md, results.csv, results.json and the PNG plots in --out; returns name -> path."""
+def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str, Any],
+                  stopped: Optional[str] = None, plots: bool = True) -> dict[str, Path]:
+    """results.md, results.csv, results.json and (unless `plots` is False) the PNG plots in --out; returns name ->
+    path. `stopped`: see results_markdown."""
     out = Path(args.out)
     config = run_config(args)
     columns = columns_for(args)
     paths = {
-        "results.md": report.write_markdown(out / "results.md", "Model benchmark", results_markdown(rows, args, env),
-                                            environment=env),
+        "results.md": report.write_markdown(out / "results.md", "Model benchmark",
+                                            results_markdown(rows, args, env, stopped), environment=env),
         "results.csv": report.write_csv(rows, out / "results.csv", columns=columns),
         "results.json": report.write_json([{k: r.get(k) for k in columns} for r in rows], out / "results.json",
                                           environment=env, config=config),
     }
     plot_rows = [{**r, "variant": variant(r).rsplit(" ", 1)[0]} for r in rows]
-    for mode in args.mode:
+    for mode in args.mode if plots else ():
         subset = [r for r in plot_rows if r["mode"] == mode]
         for name, y, label in (("step_time", "total_ms_mean", "step time (ms)"),
                                ("memory", "peak_mem_gib", "peak memory (GiB)")):

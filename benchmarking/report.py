@@ -7,10 +7,13 @@ None means "no figure" (an OOM row has no time) and is written as an empty cell 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+from training.run.files import write_atomic
 
 Row = Mapping[str, Any]
 Columns = Union[Sequence[str], Mapping[str, str]]  # keys, or key -> header text
@@ -71,6 +74,14 @@ def unique_in_order(rows: Iterable[Row], key: str) -> list[Any]:
     return list(seen)
 
 
+def _write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically: a sweep killed while rewriting its results after a point (SIGKILL, the
+    watchdog of benchmarking/interruption.py) leaves the previous complete file, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda f: f.write(text.encode()))
+    return path
+
+
 # --- markdown ---------------------------------------------------------------------------------------
 
 
@@ -129,10 +140,7 @@ def write_markdown(path: Path | str, title: str, blocks: Sequence[str],
     parts = [f"# {title}", *blocks]
     if environment:
         parts += ["## Environment", environment_markdown(environment)]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(p.rstrip() for p in parts) + "\n")
-    return path
+    return _write_text(Path(path), "\n\n".join(p.rstrip() for p in parts) + "\n")
 
 
 # --- csv / json ---------------------------------------------------------------------------------------
@@ -140,15 +148,13 @@ def write_markdown(path: Path | str, title: str, blocks: Sequence[str],
 
 def write_csv(rows: Sequence[Row], path: Path | str, columns: Optional[Sequence[str]] = None) -> Path:
     """CSV with a header line; columns default to every key seen; None becomes an empty field."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     columns = list(columns) if columns is not None else collect_columns(rows)
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(columns)
-        for row in rows:
-            writer.writerow(["" if row.get(c) is None else row.get(c) for c in columns])
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow(["" if row.get(c) is None else row.get(c) for c in columns])
+    return _write_text(Path(path), text.getvalue())
 
 
 def read_csv(path: Path | str) -> list[dict[str, str]]:
@@ -172,11 +178,8 @@ def _jsonable(value: Any) -> Any:
 def write_json(rows: Sequence[Row], path: Path | str, environment: Optional[Mapping[str, Any]] = None,
                config: Optional[Mapping[str, Any]] = None) -> Path:
     """JSON object {"environment": ..., "config": ..., "rows": [...]}; non-JSON values become strings."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"environment": environment or {}, "config": config or {}, "rows": list(rows)}
-    path.write_text(json.dumps(_jsonable(payload), indent=1) + "\n")
-    return path
+    return _write_text(Path(path), json.dumps(_jsonable(payload), indent=1) + "\n")
 
 
 # --- plots ----------------------------------------------------------------------------------------------

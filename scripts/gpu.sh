@@ -88,12 +88,17 @@ run() {
     return $rc
 }
 
-# train_run DIR LIMIT_S ARGS...: train.py into DIR (emptied first: train.py refuses an --out that holds a run),
-# its output to DIR.log.
+# fresh DIR: empty DIR before a command writes into it: train.py, bench_model.py and bench_attention.py refuse an
+# --out that holds an earlier run.
+fresh() {
+    [ "$DRY_RUN" = 1 ] || rm -rf "${1:?}"
+}
+
+# train_run DIR LIMIT_S ARGS...: train.py into DIR (emptied first), its output to DIR.log.
 train_run() {
     local dir=$1 limit=$2
     shift 2
-    [ "$DRY_RUN" = 1 ] || rm -rf "${dir:?}"
+    fresh "$dir"
     run "$dir.log" "$limit" "$PY" train.py "$@" --out "$dir"
 }
 
@@ -127,6 +132,7 @@ step_attention() {
     for part in $(parts "$1" leaderboard n4096 n8192 n1024 variants training); do
         dir="$OUT/attention/$part"
         echo "-- attention $part"
+        fresh "$dir"
         case $part in
             leaderboard) run "$dir.log" 180 "$PY" bench_attention.py --preset leaderboard --no-plots --graph-timing \
                              --out "$dir" ;;
@@ -174,7 +180,9 @@ step_train_steps() {
     for size in $(parts "$1" small large 2.7B); do
         echo "-- train-steps $size"
         shape "$size" > /dev/null || { echo "unknown part train-steps:$size (small, large, 2.7B)"; STATUS=1; continue; }
+        fresh "$OUT/train-steps/$size"
         train_step "$OUT/train-steps/$size.log" 300 "$size" --impl ours,hf --out "$OUT/train-steps/$size"
+        fresh "$OUT/train-steps/$size-adamw-bf16"
         train_step "$OUT/train-steps/$size-adamw-bf16.log" 200 "$size" --impl ours --optimizer adamw-bf16 \
             --out "$OUT/train-steps/$size-adamw-bf16"
     done
@@ -198,6 +206,7 @@ summary_headline() {
 # --- loop ------------------------------------------------------------------------------------------------------
 step_loop() {
     local dir="$OUT/loop"
+    fresh "$dir/bench"
     run "$dir/bench.log" 240 "$PY" bench_model.py --sizes small --mode train-step --dtype bf16 --compile on \
         --cuda-graph on --attn flash --batch-size 16 --context-lengths 1024 --out "$dir/bench"
     train_run "$dir/train" 300 --attn flash --dtype bf16 --steps 300 --eval-every 0 --wandb disabled \
@@ -239,6 +248,7 @@ step_fp8() {
                 for size in large 2.7B; do
                     local profile=()
                     [ "$size" = large ] && profile=(--profile "$dir/prof-$size" --profile-steps 2)
+                    fresh "$dir/steps-$size"
                     # shellcheck disable=SC2046
                     run "$dir/steps-$size.log" 300 "$PY" bench_model.py --sizes "$size" $(shape "$size") \
                         "${TRAIN_STEP[@]}" --warmup 3 --steps 8 --optimizer adamw-bf16 --fp8 off,tensorwise,rowwise \
@@ -287,6 +297,7 @@ step_profile() {
         shape "$size" > /dev/null || { echo "unknown part profile:$size (small, large, 2.7B)"; STATUS=1; continue; }
         for optimizer in adamw adamw-bf16; do
             dir="$OUT/profile/$size-$optimizer"
+            fresh "$dir"  # its --profile folder inside too: the trace found below is this run's
             # shellcheck disable=SC2046
             run "$dir.log" 240 "$PY" bench_model.py --sizes "$size" $(shape "$size") "${TRAIN_STEP[@]}" \
                 --optimizer "$optimizer" --warmup 3 --steps 2 --profile "$dir/prof" --profile-steps 2 --out "$dir"

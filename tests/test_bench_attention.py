@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from attention import backend_names, list_attention
 from benchmarking.oom import INJECT_OOM_ENV
 from benchmarking.report import read_csv
 
+REPO = Path(__file__).resolve().parents[1]
 SEQS, DS = (16, 32), (16, 32)
 OOM_LABEL = "sdpa b1 h2 seq=16 d=16"  # sdpa at the first point only
 
@@ -193,12 +197,15 @@ def test_presets_and_overrides():
     (["--window", "0"], "argument --window: sizes must be positive, got 0"),
     (["--preset", "variants", "--seq-lens", "64"], "--seq-lens: --preset variants lists its own points"),
     (["--preset", "training", "--window", "64"], "--window: --preset training lists its own points"),
+    (["--decode", "1", "--softcap", "5"], "--decode times GQA (--kv-heads) and windows (--window); --softcap"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_attention.main(argv)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err  # one line, no usage dump
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
@@ -262,3 +269,56 @@ def test_variant_flags_measure_every_backend_against_the_float64_reference(tmp_p
     assert all(r["check"] == "ok" for r in capped.rows if r["backend"] != "sdpa")
     text = (tmp_path / "capped" / "results.md").read_text()
     assert "softcap=5" in text and "does not support logit soft-capping" in text
+
+
+def test_an_out_folder_with_an_earlier_run_is_refused(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    argv = ["--backends", "naive", "--seq-lens", "16", "--d-heads", "16", "--heads", "1", "--iters", "1", "--warmup",
+            "0", "--no-plots"]
+    assert bench_attention.main([*argv, "--out", str(tmp_path / "empty")]).complete  # an empty folder is taken
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.main([*argv, "--out", str(tmp_path / "empty")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "holds an earlier run's results (results.md, results.csv, results.json)" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warnings and refusals of a CPU")
+def test_gpu_sized_presets_warn_on_the_cpu_and_name_a_cpu_sized_run(capsys, monkeypatch):
+    parser = bench_attention.build_parser()
+
+    def resolve(*argv):
+        return bench_attention.resolve_config(parser.parse_args([*argv, "--device", "cpu"]), parser)
+
+    for name, preset in bench_attention.PRESETS.items():
+        assert preset["sized_for"] == "gpu"  # every preset is, today; the warning reads the mark
+        warning = bench_attention.cpu_warning(resolve("--preset", name))
+        assert warning.startswith(f"warning: --preset {name} is sized for a GPU: roughly ")
+        assert warning.endswith(f"python bench_attention.py {preset['cpu_run']}") and "\n" not in warning
+        assert bench_attention.cpu_warning(resolve(*preset["cpu_run"].split())) is None  # minutes, not hours
+    # main says so before it starts, then proceeds.
+    monkeypatch.setattr(bench_attention, "sweep_and_write", lambda cfg, environment: "swept")
+    assert bench_attention.main(["--preset", "leaderboard", "--device", "cpu"]) == "swept"
+    assert "warning: --preset leaderboard is sized for a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the pinned SDPA kernels run on a GPU")
+def test_a_sweep_that_cannot_run_here_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.main(["--backends", "sdpa-flash,sdpa-cudnn"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: none of --backends can run here: sdpa-flash: needs a CUDA GPU")
+
+
+def test_piped_progress_is_plain_lines(tmp_path):
+    """A log file gets lines, never the carriage returns of a bar."""
+    argv = ["--backends", "naive,sdpa", "--seq-lens", "16,32", "--d-heads", "16", "--heads", "1", "--iters", "1",
+            "--warmup", "0", "--no-plots", "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "bench_attention.py", *argv], cwd=REPO, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"\r" not in done.stdout and b"\r" not in done.stderr
+    lines = done.stderr.decode().splitlines()
+    assert "bench_attention 0/4 runs: naive b1 h1 seq=16 d=16 fp32 causal" in lines
+    assert lines[-1].startswith("wrote 4 rows to ")

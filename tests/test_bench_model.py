@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bench_model
+import benchmarking.output
 from benchmarking import model_report
 from benchmarking.oom import INJECT_OOM_ENV
 from model import ModelConfig, TransformerLM
@@ -265,12 +266,21 @@ class _FrozenClock(datetime.datetime):
 
 def test_without_out_each_run_writes_a_new_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(bench_model, "datetime", _FrozenClock)  # two runs in the same second
+    monkeypatch.setattr(benchmarking.output, "datetime", _FrozenClock)  # two runs in the same second
     for _ in range(2):
         bench_model.main([*TINY, "--context-lengths", "16", "--mode", "forward", "--attn", "naive"])
     runs = sorted(p.name for p in (tmp_path / "runs" / "bench_model").iterdir())
     assert runs == ["20250102-030405", "20250102-030405-2"]
     assert all((tmp_path / "runs" / "bench_model" / name / "results.csv").exists() for name in runs)
+
+
+def test_an_out_that_holds_an_earlier_run_is_refused(tmp_path, capsys):
+    (tmp_path / "results.csv").write_text("size\n")
+    with pytest.raises(SystemExit) as exit_info:
+        bench_model.main([*TINY, "--context-lengths", "16", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert f"--out {tmp_path} holds an earlier run's results (results.csv)" in err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
