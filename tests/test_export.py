@@ -199,3 +199,14 @@ def test_no_checkpoint_is_one_line(tmp_path, capsys):
     assert export.main([str(tmp_path), "--to", "hf", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err == f"error: no checkpoint in {tmp_path} (train one with `python train.py --out " \
                                       f"{tmp_path}`)\n"
+
+
+def test_a_byte_level_run_exports_without_a_tokenizer(tmp_path, text_file):
+    """A run on text read as bytes records data.json without a tokenizer: the export writes the model alone."""
+    out = tmp_path / "run"
+    assert train.main(["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--context-length",
+                       "32", "--batch-size", "4", "--steps", "2", "--data", str(text_file), "--out", str(out),
+                       "--wandb", "disabled", "--device", "cpu"]) == 0
+    assert export.main([str(out), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"]

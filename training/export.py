@@ -69,7 +69,7 @@ def tokenizer_of(run_dir: Path) -> tuple[Optional[tuple[Path, str]], Optional[in
     tokenizer its data recorded (training/data/record.py). Bytes have no tokenizer file; plain text has no
     end-of-document token."""
     note = data_note(run_dir)
-    if note is None:
+    if note is None or note.get("tokenizer") is None:  # text read as bytes, token files, synthetic tokens
         return None, None
     if note["tokenizer"] == "bytes":
         return None, note.get("eod_id")
