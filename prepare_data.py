@@ -1,7 +1,8 @@
 """Tokenize a text corpus for training: `python prepare_data.py [INPUT] --vocab-size 8192`.
 
-INPUT is a text file, a directory of text files, or nothing: the built-in corpus (this Python's standard library
-sources). Trains a byte-level BPE tokenizer on the training split (Hugging Face `tokenizers`, locally: no download),
+INPUT is a text file, a directory of text files, `python-packages` (the Python sources of the installed packages,
+deduplicated, validation held out by whole files: hundreds of MB) or nothing: the built-in corpus (this Python's
+standard library sources; `stdlib` names it too). Trains a byte-level BPE tokenizer on the training split (Hugging Face `tokenizers`, locally: no download),
 encodes everything in parallel, and writes a prepared directory (training/prepared.py): train.bin, val.bin,
 document starts, tokenizer.json and meta.json. Train on it with `python train.py --data DIR`. Running it again on the
 same input and settings reuses the directory.
@@ -28,7 +29,9 @@ DEFAULTS = Settings()
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", nargs="?", help="text file or directory of text files; default: the built-in corpus")
+    p.add_argument("input", nargs="?", help="text file or directory of text files, or a named corpus: python-packages "
+                                            "(the installed packages' *.py) or stdlib; default: the built-in corpus "
+                                            "(stdlib)")
     p.add_argument("--out", help="prepared directory to write; default: data/<input name>-<tokenizer>")
     p.add_argument("--tokenizer", choices=KINDS, default=DEFAULTS.tokenizer,
                    help="bpe (default): byte-level BPE trained on the input; bytes: UTF-8 bytes (vocabulary 256)")
