@@ -85,6 +85,8 @@ def test_python_packages_are_prepared_with_whole_files_held_out(tmp_path, monkey
         modules[path] = f"def f{i}(x):\n    return x + {i}\n" * (5 + i)
         path.write_text(modules[path])
     (site / "pkg0" / "copy_of_mod1.py").write_text(modules[site / "pkg1" / "mod1.py"])
+    modules[site / "pkg2" / "mod2.py"] += "EOD = '<|endoftext|>'  # code, not a document boundary\n"
+    (site / "pkg2" / "mod2.py").write_text(modules[site / "pkg2" / "mod2.py"])
     monkeypatch.setattr(corpus, "package_dirs", lambda: [site])
     out = tmp_path / "prepared"
     assert prepare_data.main(["python-packages", "--out", str(out), "--vocab-size", "300", "--val-fraction",

@@ -40,6 +40,8 @@ class TextCorpus:
     # Validation holds whole files, drawn by a hash of their names, rather than the corpus' last bytes: a corpus
     # in sorted order would otherwise hold out the last packages alone, and cut a file in two.
     val_by_file: bool = False
+    # The document separator when none is asked (None: prepare.Settings'); "" makes each file one document.
+    separator: Optional[str] = None
 
     @property
     def total_bytes(self) -> int:
@@ -98,7 +100,7 @@ def package_sources() -> TextCorpus:
     left_out = [f"{duplicates} duplicate{'s' * (duplicates != 1)}"] + [f"{skipped} not UTF-8"] * bool(skipped)
     return TextCorpus(files, root, PACKAGES, f"Python sources of the installed packages under "
                       f"{', '.join(map(str, dirs))} ({len(files)} files; {' and '.join(left_out)} left out)",
-                      val_by_file=True)
+                      val_by_file=True, separator="")  # "<|endoftext|>" in a module is code (tokenizers' own)
 
 
 def _decodes(data: bytes) -> bool:
