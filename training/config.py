@@ -351,6 +351,11 @@ def _warnings(config: Config, explicit: frozenset[str]) -> list[str]:
     return out
 
 
+def default_warmup_steps(steps: int) -> int:
+    """The learning rate's linear warm-up when none is asked: 100 steps, at most a tenth of the run."""
+    return min(100, steps // 10)
+
+
 def world_size_from_env(parallel: str) -> int:
     """The number of ranks torchrun starts (WORLD_SIZE), 1 for one process."""
     return int(os.environ.get("WORLD_SIZE", "1")) if parallel != "none" else 1
@@ -371,7 +376,7 @@ def resolve(config: Config, explicit: frozenset[str] = frozenset(), world_size: 
     execution, choices = _speed_defaults(ex, device, config.optim.optimizer)
     warmup = config.optim.warmup_steps
     if warmup is None:
-        warmup = min(100, config.run.steps // 10)
+        warmup = default_warmup_steps(config.run.steps)
     config = dataclasses.replace(config, execution=execution,
                                  optim=dataclasses.replace(config.optim, warmup_steps=warmup))
     _check_combinations(config, device, world)
