@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -86,10 +87,24 @@ def resolved_config(spec: str, model: ModelConfig, overrides: dict[tuple[str, st
 
 class Clock:
     """Seconds of training: runs between start() and stop(); stop() synchronises first, so that the queued steps
-    count; read() is the host's view, without synchronising (a running GPU may be a few steps behind)."""
+    count. read() is the host's view, without synchronising: step_done() keeps the GPU at most LEAD steps behind
+    the host, so that the host's view is that close to the truth (a replayed CUDA graph is one launch: unbounded,
+    the host would queue hundreds of steps and overrun the budget by as many) while the GPU always has work queued."""
+
+    LEAD = 2
 
     def __init__(self, device: torch.device):
         self.device, self.total, self._since = device, 0.0, None
+        self._queued: deque = deque()
+
+    def step_done(self) -> None:
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._queued.append(event)
+        if len(self._queued) > self.LEAD:
+            self._queued.popleft().synchronize()
 
     def start(self) -> None:
         self._since = time.perf_counter()
@@ -210,6 +225,7 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> N
         clock.start()
         while clock.read() < budget_s:
             loss = run.train_step(clock.read(), budget_s)
+            clock.step_done()
             run.timed_steps += 1
             if clock.read() >= next_eval:
                 if not record(run, clock, loss):
