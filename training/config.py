@@ -70,7 +70,8 @@ class OptimConfig:
     """The optimizer (training/optim registers them by name) and the learning rate's warm-up and cosine decay."""
 
     optimizer: str = option("adamw", "adamw (fp32 moments), adamw-bf16 (bf16 moments that also write the bf16 weight "
-                                     "copies), or any name in training/optim", True)
+                                     "copies), muon (Muon for the blocks' matrices, AdamW for the rest), or any name "
+                                     "in training/optim", True)
     lr: float = option(6e-4, "peak learning rate", True)
     min_lr: float = option(6e-5, "learning rate at the end of the cosine decay")
     warmup_steps: Optional[int] = option(None, "linear warm-up steps; default 100, at most a tenth of the run", True)
