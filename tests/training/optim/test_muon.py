@@ -160,3 +160,30 @@ def test_its_own_state_dict_round_trips():
     assert torch.equal(a(x, y)[0], b(x, y)[0])
     with pytest.raises(ValueError, match="not a MuonAdamW's"):
         b.optimizer.load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_train_py_with_the_muon_recipe_resumes_as_if_never_stopped(tmp_path, text_file):
+    """train.py --config muon for 6 steps, against 4 steps then --resume to 6: the same losses and weights (a flat
+    learning rate after the warm-up, so that the 4-step run's schedule is the 6-step run's)."""
+    import json
+
+    import train
+    from training.checkpoint import files as checkpoint_files
+
+    tiny = ["--config", "muon", "--lr", "2e-3", "--min-lr", "2e-3", "--d-model", "32", "--n-layers", "2",
+            "--n-heads", "2", "--d-ff", "64", "--context-length", "16", "--batch-size", "4", "--device", "cpu",
+            "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--eval-batches", "2", "--ckpt-every", "2",
+            "--wandb", "disabled", "--data", str(text_file)]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert train.main([*tiny, "--steps", "6", "--out", str(whole)]) == 0
+    assert train.main([*tiny, "--steps", "4", "--out", str(split)]) == 0
+    assert train.main(["--resume", "--steps", "6", "--out", str(split), "--wandb", "disabled"]) == 0
+
+    def losses(out):
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(split) == losses(whole) and len(losses(whole)) == 6
+    assert json.loads((split / "config.json").read_text())["optim"]["optimizer"] == "muon"
+    a, b = (checkpoint_files.load_file(out / checkpoint_files.checkpoint_name(6)) for out in (whole, split))
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
