@@ -111,6 +111,7 @@ class Clock:
 
     def stop(self) -> float:
         synchronize(self.device)
+        self._queued.clear()  # all done
         if self._since is not None:
             self.total += time.perf_counter() - self._since
         self._since = None
