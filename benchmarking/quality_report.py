@@ -189,7 +189,7 @@ def results_markdown(table: Sequence[dict[str, Any]], settings: QualitySettings,
               "status": r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"} for r in table]
     blocks = [f"`{command}`", settings_line(settings, goal),
               report.markdown_table(shown, MARKDOWN_COLUMNS, formats={
-                  "ms_per_step": ".1f", "mfu_pct": ".1f", "final_bpb": ".4f", "best_bpb": ".4f",
+                  "lr": "g", "ms_per_step": ".1f", "mfu_pct": ".1f", "final_bpb": ".4f", "best_bpb": ".4f",
                   "time_to_target_s": ".1f", "tokens_to_target": ",", "speedup": ".2f"}),
               "\n".join(f"- {line}" for line in verdicts(table))]
     if plot is not None:
