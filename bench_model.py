@@ -41,6 +41,7 @@ from benchmarking.model_memory import explain_memory, format_breakdown, measure_
 from benchmarking.model_report import COLUMNS, PARALLEL_COLUMNS, columns_for, run_config, summary_line, write_outputs
 from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
 from benchmarking.output import earlier_results, new_out_dir
+from benchmarking.quality import QualitySettings
 from benchmarking.timing import peak_allocated_bytes, reset_peak_memory, summarize, synchronize
 from model import PRESETS, ModelConfig, TransformerLM, config_for
 from profiling import nvtx
@@ -55,11 +56,16 @@ from training.optim import optimizer_names
 from training.parallel import distributed
 from training.parallel.distributed import DistContext, DistributedError
 from training.progress import Progress
+from training.recipes import RECIPES
 from training.step import GRAPH_WARMUP, TrainingStep, build_step
 
 PRECISIONS = ("fp32", "bf16")  # bf16 = autocast over fp32 master weights
 IMPLS = ("ours", "hf")
 MODES = ("forward", "forward-backward", "train-step", "prefill", "decode")
+QUALITY_MODE = "time-to-quality"  # benchmarking/quality.py: recipes trained for a wall-clock budget, alone
+# The sweep's defaults of flags whose time-to-quality default is train.py's (left unset there).
+SWEEP_DEFAULTS = {"context_lengths": ["128,256,512,1024"], "batch_size": 4, "dtype": ["fp32"], "compile": "off",
+                  "cuda_graph": "off", "grad_clip": 0.0}
 SAMPLING_MODES = ("prefill", "decode")  # benchmarking/decode.py: bf16/fp32 weights, no autocast, no grad
 GIB = 1024**3
 BENCH_DIST_TIMEOUT_S = 1800  # the other ranks wait out rank 0's one-GPU baseline at a barrier
@@ -81,28 +87,28 @@ def build_parser() -> argparse.ArgumentParser:
                   help="custom size (with all of --d-model --n-layers --n-heads --d-ff, named 'custom')"
                   if name != "n_kv_heads" else "key/value heads of every size (GQA)")
     m.add_argument("--vocab-size", type=int, default=10_000, help="vocabulary (default 10000)")
-    m.add_argument("--context-lengths", nargs="+", default=["128,256,512,1024"],
-                   help="context lengths (default 128,256,512,1024)")
-    m.add_argument("--batch-size", type=int, default=4,
-                   help="sequences per step (default 4); with --parallel, per GPU (weak scaling)")
+    m.add_argument("--context-lengths", nargs="+", help="context lengths (default 128,256,512,1024)")
+    m.add_argument("--batch-size", type=int, help="sequences per step (default 4); with --parallel, per GPU (weak "
+                                                  "scaling)")
     m.add_argument("--attn", nargs="+", default=["sdpa"], help="attention backends (default sdpa)")
-    m.add_argument("--dtype", nargs="+", default=["fp32"], help="fp32 and/or bf16 (autocast)")
+    m.add_argument("--dtype", nargs="+", help="fp32 (default) and/or bf16 (autocast)")
     m.add_argument("--impl", nargs="+", default=["ours"],
                    help=f"{', '.join(IMPLS)} (default ours). hf is the peer, transformers' Llama (needs "
                         "transformers): same sizes, step, optimizer and tokens, timed in the same run")
-    m.add_argument("--compile", nargs="?", const="on", default="off", choices=["on", "off", "both"],
+    m.add_argument("--compile", nargs="?", const="on", choices=["on", "off", "both"],
                    help="torch.compile the model: on, off (default) or both; a bare --compile means on")
-    m.add_argument("--cuda-graph", nargs="?", const="on", default="off", choices=["on", "off", "both"],
+    m.add_argument("--cuda-graph", nargs="?", const="on", choices=["on", "off", "both"],
                    help="replay the whole train-step as one CUDA graph: on, off (default) or both; needs --mode "
                         "train-step, a GPU and --warmup >= 3")
     m.add_argument("--fp8", nargs="+", default=["off"], help="off (default), tensorwise, rowwise (training/fp8.py)")
     m.add_argument("--optimizer", nargs="+", default=["adamw"],
                    help=f"ours, train-step: {', '.join(optimizer_names())} (default adamw)")
-    m.add_argument("--grad-clip", type=float, default=0.0,
+    m.add_argument("--grad-clip", type=float,
                    help="train-step: clip the gradient norm (default 0: not clipped, the optimizer then steps during "
                         "the backward where it can; 1.0 is train.py's default step)")
     m.add_argument("--mode", nargs="+", default=["forward-backward"], help=f"{', '.join(MODES)} (default "
-                                                                           "forward-backward)")
+                                                                           "forward-backward), or time-to-quality "
+                                                                           "alone (below)")
     m.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     m.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     m.add_argument("--seed", type=int, default=0, help="seed for init and the random tokens")
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--parallel", choices=["none", "ddp", "fsdp"], default="none",
                    help="none (default): one device; ddp or fsdp: every torchrun rank runs the wrapped model, after "
                         "a one-GPU baseline on rank 0, and rows report scaling efficiency")
+    _add_quality_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for results.md/.csv/.json and plots, new or empty: one that holds an "
                                  "earlier run's results is refused (default: a new runs/bench_model/<time> per run)")
@@ -131,6 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print, per --sizes and --dtype, the dtype of every tensor of a training step and why; and "
                          "0.01 summed 1000 times in fp32, fp16 and bf16; times nothing")
     return p
+
+
+def _add_quality_flags(p: argparse.ArgumentParser) -> None:
+    """--mode time-to-quality's own flags."""
+    q = p.add_argument_group("time to quality (--mode time-to-quality, alone: benchmarking/quality.py)",
+                             "--sizes (or a custom size), one --context-lengths, --batch-size, --attn, --dtype,\n"
+                             "--compile, --cuda-graph, --fp8 and --grad-clip, when given, hold for every recipe;\n"
+                             "otherwise each recipe's settings and train.py's defaults do (context 1024, batch 16;\n"
+                             "on a GPU bf16, compile and CUDA graph where they apply; clipping at 1)")
+    q.add_argument("--recipes", nargs="+", default=["adamw,muon"],
+                   help=f"recipes to compare, by name ({', '.join(RECIPES)}) or JSON file of config sections "
+                        "(default adamw,muon); the first one's final bits per byte is the target")
+    q.add_argument("--data", help="what every recipe trains on, as train.py's --data (default: the built-in corpus)")
+    q.add_argument("--minutes", type=float, default=20.0, help="seconds of training per recipe, in minutes (default "
+                                                               "20); evaluation and compilation are off the clock")
+    q.add_argument("--eval-interval-s", type=float, default=60.0,
+                   help="validation bits per byte every this many seconds of training (default 60)")
+    q.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation (default 10)")
+    q.add_argument("--target-bpb", type=float, help="the target (default: the first recipe's final value)")
 
 
 @dataclass(frozen=True)
@@ -260,10 +286,8 @@ def _check_bench_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Parse the list flags and reject bad values with one line naming the problem (exit status 2); every row's
     training configuration goes through training.config.resolve, as train.py's does."""
-    args.context_lengths = _positive_ints(p, "--context-lengths", _split(args.context_lengths))
+    args.mode = _choices(p, "--mode", _split(args.mode), (*MODES, QUALITY_MODE), "mode")
     args.attn = _choices(p, "--attn", _split(args.attn), [b.name for b in list_attention()], "attention backend")
-    args.dtype = _choices(p, "--dtype", _split(args.dtype), list(PRECISIONS), "dtype")
-    args.mode = _choices(p, "--mode", _split(args.mode), MODES, "mode")
     args.impl = _choices(p, "--impl", _split(args.impl), IMPLS, "implementation")
     args.fp8 = _choices(p, "--fp8", _split(args.fp8), list(fp8.RECIPES), "fp8 recipe")
     args.optimizer = _choices(p, "--optimizer", _split(args.optimizer), optimizer_names(), "optimizer")
@@ -271,6 +295,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         args.device = parse_device(args.device, args.parallel)
     except ConfigError as e:
         p.error(str(e))
+    if QUALITY_MODE in args.mode:
+        return check_quality_args(p, args)
+    for name, value in SWEEP_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.context_lengths = _positive_ints(p, "--context-lengths", _split(args.context_lengths))
+    args.dtype = _choices(p, "--dtype", _split(args.dtype), list(PRECISIONS), "dtype")
     _check_bench_flags(p, args)
     args.models = _models(p, args)
     args.world_size = 1
@@ -281,6 +312,57 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
             p.error(str(e))
     args.points = sweep_points(p, args)
     return args
+
+
+def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """--mode time-to-quality's flags: the recipes, the budget, and one configuration for them all (each given flag
+    overrides every recipe); args.quality holds the settings."""
+    if args.mode != [QUALITY_MODE]:
+        p.error(f"--mode {QUALITY_MODE} runs alone (got {','.join(args.mode)})")
+    for flag, given, why in (("--parallel", args.parallel != "none", "it trains in one process"),
+                             ("--impl hf", "hf" in args.impl, "it trains our model"),
+                             ("--optimizer", args.optimizer != ["adamw"], "each recipe names its optimizer"),
+                             ("--compile both", args.compile == "both", "pass on or off"),
+                             ("--cuda-graph both", args.cuda_graph == "both", "pass on or off"),
+                             ("--profile", args.profile, "profile a --mode train-step"),
+                             ("--memory-snapshot", args.memory_snapshot, "profile a --mode train-step"),
+                             ("--explain-memory", args.explain_memory, "explain a --mode train-step")):
+        if given:
+            p.error(f"{flag} does not apply to --mode {QUALITY_MODE}: {why}")
+    lengths = _positive_ints(p, "--context-lengths", _split(args.context_lengths))
+    dtypes = _choices(p, "--dtype", _split(args.dtype), list(PRECISIONS), "dtype") if args.dtype else []
+    for flag, values in (("--attn", args.attn), ("--dtype", dtypes), ("--fp8", args.fp8), ("--context-lengths", lengths)):
+        if len(values) > 1:
+            p.error(f"{flag}: --mode {QUALITY_MODE} compares recipes on one configuration; give one value")
+    for flag, value, least in (("--minutes", args.minutes, 0), ("--eval-interval-s", args.eval_interval_s, 0),
+                               ("--target-bpb", args.target_bpb, 0)):
+        if value is not None and not value > least:
+            p.error(f"{flag} must be > {least}, got {value:g}")
+    for flag, value in (("--eval-batches", args.eval_batches), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    recipes = _split(args.recipes)
+    for spec in recipes:
+        if spec not in RECIPES and not Path(spec).is_file():
+            p.error(f"--recipes: {spec!r} is neither a recipe ({', '.join(RECIPES)}) nor a JSON file")
+    sizes = {k: m if not lengths else dataclasses.replace(m, context_length=lengths[0])
+             for k, m in _models(p, args).items()}
+    args.quality = QualitySettings(sizes, list(dict.fromkeys(recipes)), args.data, 60 * args.minutes,
+                                   args.eval_interval_s, args.target_bpb, args.seed, args.eval_batches,
+                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache")
+    return args
+
+
+def quality_overrides(args: argparse.Namespace, dtypes: list[str]) -> dict[tuple[str, str], Any]:
+    """The flags given, as (section, field) values over every recipe; the others are each recipe's (or train.py's)."""
+    on = {"on": True, "off": False}
+    given = {("execution", "attn"): args.attn[0], ("execution", "device"): str(args.device),
+             ("execution", "dtype"): dtypes[0] if dtypes else None,
+             ("execution", "compile"): on.get(args.compile), ("execution", "cuda_graph"): on.get(args.cuda_graph),
+             ("execution", "fp8"): args.fp8[0] if args.fp8 != ["off"] else None,
+             ("optim", "grad_clip"): args.grad_clip, ("data", "batch_size"): args.batch_size,
+             ("data", "data"): args.data, ("run", "seed"): args.seed, ("run", "eval_batches"): args.eval_batches}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -668,6 +750,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     if args.explain_precision:
         explain_precision(args)
         return []
+    if args.mode == [QUALITY_MODE]:
+        return time_to_quality(args)
     nvtx.enable(args.nvtx)
     ranks = contextlib.ExitStack()
     try:
@@ -690,6 +774,36 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     finally:
         ranks.close()
         nvtx.enable(False)
+
+
+def time_to_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """--mode time-to-quality: each recipe trained for the budget (benchmarking/quality.py); one row per size and
+    recipe, the files in --out; exit 130 after a Ctrl-C or SIGTERM, the files holding what was measured."""
+    from benchmarking import quality, quality_report
+    from training.data import DataError
+
+    settings, env = args.quality, environment_info(args.device)
+    print(f"bench_model: time to quality of {', '.join(map(quality.recipe_label, settings.recipes))} on "
+          f"{', '.join(settings.sizes)}, {settings.budget_s:g} s of training each, on {describe(env)}; writing "
+          f"{args.out}", flush=True)
+    try:
+        outcomes, interrupted = quality.compare(settings, lambda line: print(line, flush=True))
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+    table = quality_report.rows(outcomes, settings)
+    paths = quality_report.write_outputs(table, outcomes, settings, args.command, env, Path(args.out))
+    print("\n".join(quality_report.verdicts(table)))
+    if args.wandb:
+        curves = [{k: p.get(k) for k in quality_report.CURVE_COLUMNS} for o in outcomes for p in o.points]
+        report.log_wandb(table, mode=args.wandb, project="flash-lm", run_name="time-to-quality",
+                         images={n: p for n, p in paths.items() if n.endswith(".png")}, config={"command": args.command},
+                         environment=env, directory=Path(args.out), tables={"curves": curves})
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    if interrupted:
+        note_interrupted(sum(o.status != "interrupted" for o in outcomes), len(settings.sizes) * len(settings.recipes))
+        raise SystemExit(130)
+    return table
 
 
 @contextlib.contextmanager

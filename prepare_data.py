@@ -1,7 +1,8 @@
 """Tokenize a text corpus for training: `python prepare_data.py [INPUT] --vocab-size 8192`.
 
-INPUT is a text file, a directory of text files, or nothing: the built-in corpus (this Python's standard library
-sources). Trains a byte-level BPE tokenizer on the training split (Hugging Face `tokenizers`, locally: no download),
+INPUT is a text file, a directory of text files, `python-packages` (the Python sources of the installed packages,
+deduplicated, validation held out by whole files: hundreds of MB) or nothing: the built-in corpus (this Python's
+standard library sources; `stdlib` names it too). Trains a byte-level BPE tokenizer on the training split (Hugging Face `tokenizers`, locally: no download),
 encodes everything in parallel, and writes a prepared directory (training/prepared.py): train.bin, val.bin,
 document starts, tokenizer.json and meta.json. Train on it with `python train.py --data DIR`. Running it again on the
 same input and settings reuses the directory.
@@ -28,15 +29,16 @@ DEFAULTS = Settings()
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", nargs="?", help="text file or directory of text files; default: the built-in corpus")
+    p.add_argument("input", nargs="?", help="text file or directory of text files, or a named corpus: python-packages "
+                                            "(the installed packages' *.py) or stdlib; default: the built-in corpus "
+                                            "(stdlib)")
     p.add_argument("--out", help="prepared directory to write; default: data/<input name>-<tokenizer>")
     p.add_argument("--tokenizer", choices=KINDS, default=DEFAULTS.tokenizer,
                    help="bpe (default): byte-level BPE trained on the input; bytes: UTF-8 bytes (vocabulary 256)")
     p.add_argument("--vocab-size", type=int, help=f"BPE vocabulary, end-of-document token included "
                                                   f"(default {DEFAULTS.vocab_size}; bytes: {BYTE_VOCAB})")
-    p.add_argument("--separator", default=DEFAULTS.separator,
-                   help="string that separates documents inside a file (default %(default)s; '': each file is one "
-                        "document)")
+    p.add_argument("--separator", help=f"string that separates documents inside a file (default {DEFAULTS.separator}; "
+                                       "python-packages: '', each file is one document)")
     p.add_argument("--val-fraction", type=float, default=DEFAULTS.val_fraction,
                    help="share of the input (its end) held out for validation (default %(default)s)")
     p.add_argument("--tokenizer-sample-bytes", type=int, default=DEFAULTS.tokenizer_sample_bytes,
@@ -48,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     vocab = args.vocab_size or (BYTE_VOCAB if args.tokenizer == "bytes" else DEFAULTS.vocab_size)
-    settings = Settings(args.tokenizer, vocab, args.separator, args.val_fraction, args.tokenizer_sample_bytes)
-    settings.check()
+    Settings(args.tokenizer, vocab, val_fraction=args.val_fraction,
+             tokenizer_sample_bytes=args.tokenizer_sample_bytes).check()  # the flags first, before reading any file
     corpus = resolve(args.input)
+    separator = next(s for s in (args.separator, corpus.separator, DEFAULTS.separator) if s is not None)
+    settings = Settings(args.tokenizer, vocab, separator, args.val_fraction, args.tokenizer_sample_bytes)
     suffix = "bytes" if args.tokenizer == "bytes" else f"bpe{vocab}"
     out = Path(args.out) if args.out else Path("data") / f"{corpus.name}-{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)

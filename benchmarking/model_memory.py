@@ -174,7 +174,8 @@ def head_activations(cfg: ModelConfig, batch: int, seq: int, dtype: str) -> Memo
 def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str, device_type: str = "cuda",
                    attn: str = "sdpa", optimizer: str = "adamw") -> MemoryBreakdown:
     """The expected memory of one `mode` step of TransformerLM(cfg, attn) on (batch, seq) tokens on `device_type`,
-    with `optimizer` (adamw: fp32 moments; adamw-bf16: bf16 moments)."""
+    with `optimizer` (adamw: fp32 moments; adamw-bf16: bf16 moments; muon: a momentum per block matrix, AdamW's
+    moments for the rest)."""
     _check(dtype, mode, batch, seq)
     P = param_count(cfg)
     B, T, V, h = batch, seq, cfg.vocab_size, cfg.n_heads
@@ -188,6 +189,10 @@ def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str
     if mode == "train-step":
         if optimizer == "adamw-bf16":
             state.add("AdamW exp_avg and exp_avg_sq (bf16)", 4 * P, "2*P*2")
+        elif optimizer == "muon":
+            hidden = matmul_weight_count(cfg) - cfg.d_model * V  # the blocks' matrices (not the LM head)
+            state.add("Muon momentum of the blocks' matrices (fp32)", 4 * hidden, "P_blocks*4")
+            state.add("AdamW exp_avg and exp_avg_sq of the rest (fp32)", 8 * (P - hidden), "2*(P-P_blocks)*4")
         else:
             state.add("AdamW exp_avg and exp_avg_sq (fp32)", 8 * P, "2*P*4")
         state.add("AdamW step counters", 4 * n_tensors, "one fp32 per parameter tensor")

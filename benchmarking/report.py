@@ -176,9 +176,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(rows: Sequence[Row], path: Path | str, environment: Optional[Mapping[str, Any]] = None,
-               config: Optional[Mapping[str, Any]] = None) -> Path:
-    """JSON object {"environment": ..., "config": ..., "rows": [...]}; non-JSON values become strings."""
-    payload = {"environment": environment or {}, "config": config or {}, "rows": list(rows)}
+               config: Optional[Mapping[str, Any]] = None, extra: Optional[Mapping[str, Any]] = None) -> Path:
+    """JSON object {"environment": ..., "config": ..., "rows": [...], **extra}; non-JSON values become strings."""
+    payload = {"environment": environment or {}, "config": config or {}, "rows": list(rows), **(extra or {})}
     return _write_text(Path(path), json.dumps(_jsonable(payload), indent=1) + "\n")
 
 
@@ -246,8 +246,9 @@ def plot_lines(rows: Sequence[Row], x: str, y: str, series: str, path: Path | st
 def log_wandb(rows: Sequence[Row], *, mode: str, project: str, run_name: Optional[str] = None,
               images: Optional[Mapping[str, Path | str]] = None, config: Optional[Mapping[str, Any]] = None,
               environment: Optional[Mapping[str, Any]] = None, directory: Optional[Path | str] = None,
-              table_name: str = "results") -> Optional[str]:
-    """Log rows as a W&B table and `images` (name -> PNG path) in one run; returns the run's local dir.
+              table_name: str = "results", tables: Optional[Mapping[str, Sequence[Row]]] = None) -> Optional[str]:
+    """Log rows as a W&B table, any further `tables` (name -> rows) and `images` (name -> PNG path) in one run;
+    returns the run's local dir.
 
     mode: 'offline' (written under `directory`, sync later with `wandb sync`) or 'online'.
     """
@@ -255,8 +256,6 @@ def log_wandb(rows: Sequence[Row], *, mode: str, project: str, run_name: Optiona
         raise ValueError(f"wandb mode must be 'offline' or 'online', got {mode!r}")
     import wandb
 
-    columns = collect_columns(rows)
-    data = [[_jsonable(row.get(c)) for c in columns] for row in rows]
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
     if wandb.run is not None:  # one run per call, whatever this wandb version's `reinit` default is
@@ -264,7 +263,10 @@ def log_wandb(rows: Sequence[Row], *, mode: str, project: str, run_name: Optiona
     run = wandb.init(project=project, name=run_name, mode=mode, dir=str(directory) if directory else None,
                      config={**(config or {}), "environment": dict(environment or {})})
     try:
-        payload: dict[str, Any] = {table_name: wandb.Table(columns=columns, data=data)}
+        payload: dict[str, Any] = {}
+        for name, table in {table_name: rows, **(tables or {})}.items():
+            columns = collect_columns(table)
+            payload[name] = wandb.Table(columns=columns, data=[[_jsonable(r.get(c)) for c in columns] for r in table])
         for name, image in (images or {}).items():
             payload[name] = wandb.Image(str(image))
         run.log(payload)

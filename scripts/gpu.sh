@@ -42,6 +42,10 @@
 #                backward on a second stream, so the kernel times of both streams can add up to more than the step),
 #                --optimizer adamw then adamw-bf16, then scripts/kernel_categories.py: GPU ms per step by kernel
 #                category. Parts: small, large, 2.7B (shapes as in train-steps); by default large and 2.7B
+#   quality      time to quality: prepare_data.py python-packages (the installed packages' Python sources, BPE;
+#                its token counts in the log), then bench_model.py --mode time-to-quality, small, flash, adamw
+#                against muon, QUALITY_MINUTES (default 20) of training each, evaluated every 60 s: the time and
+#                tokens each takes to reach adamw's final bits per byte, and the curves (curves.png)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
 #                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 512, batch 4,
@@ -57,6 +61,7 @@
 #   PYTHON=EXE    the Python that has torch with CUDA (default python3)
 #   DEVICE=cpu    distributed only: run its steps with a tiny model over gloo, to check them without GPUs
 #   FP8_SEEDS     fp8:loss only: the seeds to train with (default "0 1 2 3")
+#   QUALITY_MINUTES  quality only: minutes of training per recipe (default 20)
 # A ./.wheels folder, if present, is installed from first (einx and wandb; transformers for train-steps), for
 # machines without network access. Triton's cache lives in ./.triton-cache (kept between runs, so autotuning is
 # paid once per shape), unless TRITON_CACHE_DIR says otherwise.
@@ -68,6 +73,7 @@ PY="${PYTHON:-python3}"
 OUT="${OUT:-gpu-out}"
 DRY_RUN=0
 FP8_SEEDS="${FP8_SEEDS:-0 1 2 3}"
+QUALITY_MINUTES="${QUALITY_MINUTES:-20}"
 
 STATUS=0          # 1 once any command failed
 SUMMARIES=()      # functions that print each step's table at the end
@@ -237,6 +243,26 @@ step_train_variants() {
 summary_train_variants() {
     echo "## train-variants: small, bf16, flash ($OUT/train-variants/*/metrics.jsonl)"
     summarize train-variants "$OUT/train-variants" plain packed variants softcap
+}
+
+# --- quality ---------------------------------------------------------------------------------------------------
+PACKAGES_DATA=data/python-packages-bpe8192
+step_quality() {
+    local dir="$OUT/quality"
+    # Each recipe: the budget, plus compilation and evaluations off the clock; the benchmark keeps what it measured
+    # when the limit stops it.
+    local limit=$(( 2 * (60 * QUALITY_MINUTES + 600) ))
+    run "$dir/prepare_data.log" 3600 "$PY" prepare_data.py python-packages --out "$PACKAGES_DATA" || return
+    run "$dir/bench.log" "$limit" "$PY" bench_model.py --mode time-to-quality --sizes small --attn flash \
+        --recipes adamw,muon --data "$PACKAGES_DATA" --minutes "$QUALITY_MINUTES" --eval-interval-s 60 \
+        --out "$dir/bench"
+    SUMMARIES+=(summary_quality)
+}
+summary_quality() {
+    echo "## quality: small, flash, adamw against muon, $QUALITY_MINUTES min each ($OUT/quality/bench/results.md," \
+         "curves.png)"
+    grep -E "^preparing|^  (train|val):" "$OUT/quality/prepare_data.log" 2>/dev/null
+    grep -E "^- " "$OUT/quality/bench/results.md" 2>/dev/null
 }
 
 # --- fp8 -------------------------------------------------------------------------------------------------------
@@ -465,14 +491,14 @@ PYEOF
 # --- main ------------------------------------------------------------------------------------------------------
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
-STEPS="tests attention train-steps headline loop train-variants fp8 profile distributed"
+STEPS="tests attention train-steps headline loop train-variants quality fp8 profile distributed"
 steps=()
 for arg in "$@"; do
     case $arg in
         -n|--dry-run) DRY_RUN=1 ;;
         -h|--help) usage; exit 0 ;;
-        tests|tests:*|attention|attention:*|train-steps|train-steps:*|headline|loop|train-variants|fp8|fp8:*|profile|\
-        profile:*|distributed|distributed:*) steps+=("$arg") ;;
+        tests|tests:*|attention|attention:*|train-steps|train-steps:*|headline|loop|train-variants|quality|fp8|\
+        fp8:*|profile|profile:*|distributed|distributed:*) steps+=("$arg") ;;
         *) echo "unknown step '$arg'; steps: $STEPS (--help)" >&2
            exit 2 ;;
     esac
@@ -483,7 +509,7 @@ mkdir -p "$OUT"
 if [ -d .wheels ] && [ "$DRY_RUN" = 0 ]; then  # what the GPU image lacks, without network access
     wheels=(einx wandb)
     [[ " ${steps[*]}" == *" train-steps"* ]] && wheels+=(transformers)
-    [[ " ${steps[*]}" == *" train-variants"* ]] && wheels+=(tokenizers)
+    [[ " ${steps[*]}" == *" train-variants"* || " ${steps[*]}" == *" quality"* ]] && wheels+=(tokenizers)
     [[ " ${steps[*]}" == *" fp8"* ]] && wheels+=(torchao)
     "$PY" -m pip install -q --no-index --find-links .wheels "${wheels[@]}" || echo "warning: installing ${wheels[*]} from .wheels failed"
 fi

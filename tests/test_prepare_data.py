@@ -152,3 +152,34 @@ def test_what_a_killed_preparation_left_is_removed_with_a_message(stories, tmp_p
     captured = capsys.readouterr()
     assert captured.err == f"{out}: removed {leftover}, left by a preparation that was killed\n"
     assert not leftover.exists() and other_runs.exists() and load_prepared(out).vocab_size == 300
+
+
+def test_python_packages_are_prepared_with_whole_files_held_out(tmp_path, monkeypatch, capsys):
+    """prepare_data.py python-packages on a fake site-packages: every validation document is a whole module, and no
+    module's text is in both splits or twice."""
+    from training.data import corpus
+
+    site = tmp_path / "site-packages"
+    modules = {}
+    for i in range(30):
+        path = site / f"pkg{i % 3}" / f"mod{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        modules[path] = f"def f{i}(x):\n    return x + {i}\n" * (5 + i)
+        path.write_text(modules[path])
+    (site / "pkg0" / "copy_of_mod1.py").write_text(modules[site / "pkg1" / "mod1.py"])
+    modules[site / "pkg2" / "mod2.py"] += "EOD = '<|endoftext|>'  # code, not a document boundary\n"
+    (site / "pkg2" / "mod2.py").write_text(modules[site / "pkg2" / "mod2.py"])
+    monkeypatch.setattr(corpus, "package_dirs", lambda: [site])
+    out = tmp_path / "prepared"
+    assert prepare_data.main(["python-packages", "--out", str(out), "--vocab-size", "300", "--val-fraction",
+                              "0.2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"from Python sources of the installed packages under {site} (30 files; 1 duplicate left out)" in printed
+    data = load_prepared(out)
+    texts = {}
+    for split in ("train", "val"):
+        tokens, starts = np.asarray(data.splits[split].tokens), list(data.splits[split].doc_starts)
+        # Each document is an end-of-document token and one file's text (the files are shorter than a piece).
+        texts[split] = [data.tokenizer().decode(tokens[a + 1:b]) for a, b in zip(starts, starts[1:] + [len(tokens)])]
+    assert sorted(texts["train"] + texts["val"]) == sorted(modules.values())
+    assert 1 <= len(texts["val"]) < 15

@@ -17,6 +17,7 @@ import train
 from model import ModelConfig, TransformerLM
 from tests.ranks import run_ranks
 from training.checkpoint import consolidate
+from training.checkpoint.files import checkpoint_name
 from training.checkpoint import format as checkpoint
 from training.checkpoint import sharded as sharded_checkpoint
 from training.data import open_source
@@ -125,6 +126,22 @@ def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_
     # summation order (1e-7), but a weight that differs in its last bits can round its bf16 matmul inputs the other
     # way, and that grows over the steps: up to 1.7e-4 in loss and 1.0e-4 in gradient norm by the last step here.
     assert_same_training(rows(ddp), rows(one), loss_rtol=1e-3, norm_rtol=1e-3)
+
+
+def test_ddp_with_muon_trains_like_one_process(tmp_path, text_file):
+    """Muon over DDP: every rank orthogonalises the same all-reduced gradients, so the ranks stay identical and
+    train as one process does on the whole batch."""
+    one, ddp = tmp_path / "one", tmp_path / "ddp"
+    assert train.main(argv(text_file, one, "--optimizer", "muon")) == 0
+    results = run_ranks(argv(text_file, ddp, "--optimizer", "muon", "--parallel", "ddp"), tmp_path / "logs")
+    assert_ranks_exited(results, 0, 0)
+    # Newton-Schulz runs in bf16: gradients that differ in fp32 summation order can round apart there, by up to
+    # 9e-5 in a weight after 8 steps here (weights of about 0.1; a rank on its half alone is off by far more).
+    assert_same_training(rows(ddp), rows(one), loss_rtol=1e-3, norm_rtol=1e-3)
+    name = checkpoint_name(STEPS)
+    got, want = checkpoint.load(ddp / name)["model"], checkpoint.load(one / name)["model"]
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=3e-4, msg=lambda m: f"{key}: {m}")
 
 
 def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_process, capsys):

@@ -1,11 +1,12 @@
 """The command line, built from the configuration tree (training/config.py): one flag per field, of the same name.
 
-    config, explicit = parse(argv)         # flags (and --config FILE, --resume's saved config) -> Config
+    config, explicit = parse(argv)         # flags (and --config, --resume's saved config) -> Config
 
 `--help` lists the main flags of each section; every other field is a flag of the same kind (`--log-every 1`,
-`--min-lr 1e-5`), listed in docs/training.md. Precedence: the defaults, then `--config FILE` (a JSON file of
-sections, such as a run's config.json) or, with --resume, the run's own config.json, then the flags given. A
-resumed run keeps its model: a flag that would change it is refused, naming the flag and both values.
+`--min-lr 1e-5`), listed in docs/training.md. Precedence: the defaults, then `--config` (a recipe's name,
+training/recipes.py, or a JSON file of sections, such as a run's config.json) or, with --resume, the run's own
+config.json, then the flags given. A resumed run keeps its model: a flag that would change it is refused, naming the
+flag and both values.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Iterable, NoReturn, Optional, Sequence
 
 from model import PRESETS, ModelConfig, config_for
 from training.config import SECTIONS, Config, ConfigError
+from training.recipes import RECIPES, recipe_sections, recipes_help
 
 CONFIG_FILE = "config.json"  # in a run's directory: its resolved configuration
 
@@ -84,7 +86,8 @@ def build_parser(prog: str, description: str) -> OneLineParser:
     p = OneLineParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
                       formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog="Every other field of the configuration is a flag of the same kind (e.g. --log-every 1 "
-                             "--min-lr 1e-5 --window-pattern LLLG); docs/training.md lists them all.")
+                             "--min-lr 1e-5 --window-pattern LLLG); docs/training.md lists them all.\n\n"
+                             f"Recipes (--config NAME; the flags given still win):\n{recipes_help()}")
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(TITLES[section])
         if section == "model":
@@ -93,8 +96,9 @@ def build_parser(prog: str, description: str) -> OneLineParser:
             if (section, f.name) not in DERIVED:
                 add_field(group, section, f.name)
         if section == "run":
-            group.add_argument("--config", type=Path, help="a JSON file of sections to start from (a run's "
-                                                           "config.json, say), before the flags given")
+            group.add_argument("--config", metavar="RECIPE|FILE",
+                               help="a recipe by name (listed below) or a JSON file of sections (a run's config.json, "
+                                    "say) to start from, before the flags given")
     return p
 
 
@@ -103,23 +107,35 @@ def given_fields(namespace: argparse.Namespace) -> dict[tuple[str, str], Any]:
     return {tuple(k.split(".", 1)): v for k, v in vars(namespace).items() if "." in k}
 
 
+def read_config(spec: str) -> dict[str, dict[str, Any]]:
+    """--config's sections: a recipe's (training/recipes.py) when `spec` names one, else a JSON file's."""
+    if spec in RECIPES:
+        return check_sections(recipe_sections(spec), f"recipe {spec}")
+    return read_config_file(Path(spec))
+
+
 def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
     """The sections of a JSON config file, checked against the tree: unknown names are an error naming the file."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--config {path} does not exist") from None
+        raise ConfigError(f"--config {path} does not exist (nor is it a recipe: {', '.join(RECIPES)})") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"--config {path} is not a JSON file: {e}") from None
+    return check_sections(data, str(path))
+
+
+def check_sections(data: Any, where: str) -> dict[str, dict[str, Any]]:
+    """`data` as sections of the tree; an unknown section or field is an error naming `where` and the key."""
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path} must hold an object of sections ({', '.join(SECTIONS)})")
+        raise ConfigError(f"--config {where} must hold an object of sections ({', '.join(SECTIONS)})")
     for section, values in data.items():
         if section not in SECTIONS or not isinstance(values, dict):
-            raise ConfigError(f"--config {path}: {section!r} is not a section ({', '.join(SECTIONS)})")
+            raise ConfigError(f"--config {where}: {section!r} is not a section ({', '.join(SECTIONS)})")
         known = {f.name for f in fields(SECTIONS[section])}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"--config {path}: unknown field {section}.{unknown[0]}")
+            raise ConfigError(f"--config {where}: unknown field {section}.{unknown[0]}")
     return data
 
 
@@ -178,7 +194,7 @@ def parse(argv: Optional[Sequence[str]], prog: str = "train.py", description: st
                     if ("model", k) not in given}, **given}
     base, from_file = Config(), {}
     if getattr(ns, "config", None) is not None:
-        from_file = flatten(read_config_file(ns.config))
+        from_file = flatten(read_config(ns.config))
     resume = given.get(("run", "resume"), from_file.get(("run", "resume"), False))
     if resume:
         out = Path(given.get(("run", "out"), from_file.get(("run", "out"), base.run.out)))

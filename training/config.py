@@ -51,7 +51,8 @@ class ExecutionConfig:
                                         "gradient scaler); default bf16 on CUDA, fp32 on the CPU", True, tuple(DTYPES))
     compile: Optional[bool] = option(None, "torch.compile each block and the loss; default on with CUDA", True)
     cuda_graph: Optional[bool] = option(None, "capture the whole step once as a CUDA graph and replay it; default on "
-                                              "where it applies (CUDA, one process, not fp16)", True)
+                                              "where it applies (CUDA, one process, not fp16, an optimizer that "
+                                              "can be captured)", True)
     fp8: str = option("off", "the blocks' Linear layers in float8 (torchao): tensorwise or rowwise scaling; needs "
                              "bf16 and float8 matmuls (emulated on the CPU)", True, FP8_RECIPES)
     activation_checkpointing: bool = option(False, "recompute each block in the backward instead of keeping its "
@@ -69,7 +70,8 @@ class OptimConfig:
     """The optimizer (training/optim registers them by name) and the learning rate's warm-up and cosine decay."""
 
     optimizer: str = option("adamw", "adamw (fp32 moments), adamw-bf16 (bf16 moments that also write the bf16 weight "
-                                     "copies), or any name in training/optim", True)
+                                     "copies), muon (Muon for the blocks' matrices, AdamW for the rest), or any name "
+                                     "in training/optim", True)
     lr: float = option(6e-4, "peak learning rate", True)
     min_lr: float = option(6e-5, "learning rate at the end of the cosine decay")
     warmup_steps: Optional[int] = option(None, "linear warm-up steps; default 100, at most a tenth of the run", True)
@@ -185,14 +187,20 @@ def default_dtype(device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
-def graph_obstacle(device: torch.device, parallel: str, dtype: str, activation_checkpointing: bool) -> Optional[str]:
+def graph_obstacle(device: torch.device, parallel: str, dtype: str, activation_checkpointing: bool,
+                   optimizer: str) -> Optional[str]:
     """Why the step is not captured as a CUDA graph by default, or None."""
+    from training.optim import get_optimizer
+
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
     if parallel != "none":
         return f"not captured under --parallel {parallel}"
     if dtype == "fp16":
         return "not captured with fp16, whose gradient scaler checks for inf on the host"
+    if not get_optimizer(optimizer).capturable:
+        # A graph would replay the learning rate it saw at capture: the schedule would stop.
+        return f"not captured with --optimizer {optimizer}, whose step reads its learning rate on the host"
     if activation_checkpointing:
         return "not captured with --activation-checkpointing"
     return None
@@ -257,7 +265,7 @@ def _check_combinations(config: Config, device: torch.device, world_size: int) -
     if ex.dtype == "fp16" and device.type != "cuda":
         raise ConfigError("--dtype fp16 needs a CUDA device (the gradient scaler is CUDA-only); use bf16 or fp32")
     if ex.cuda_graph:
-        obstacle = graph_obstacle(device, ex.parallel, ex.dtype, False)
+        obstacle = graph_obstacle(device, ex.parallel, ex.dtype, False, op.optimizer)
         if obstacle:
             raise ConfigError(f"--cuda-graph: {obstacle}")
     problem = fp8.problem(ex.fp8, device, ex.dtype, ex.parallel, config.model.d_model)
@@ -307,7 +315,8 @@ def _check_attention(config: Config, device: torch.device, training: bool) -> No
         raise ConfigError(problem)
 
 
-def _speed_defaults(ex: ExecutionConfig, device: torch.device) -> tuple[ExecutionConfig, list[str]]:
+def _speed_defaults(ex: ExecutionConfig, device: torch.device,
+                    optimizer: str = "adamw") -> tuple[ExecutionConfig, list[str]]:
     """The fast path wherever it applies, for each of dtype, compile and cuda_graph left unset; what was chosen."""
     cuda = device.type == "cuda"
     dtype = ex.dtype or default_dtype(device)
@@ -319,7 +328,7 @@ def _speed_defaults(ex: ExecutionConfig, device: torch.device) -> tuple[Executio
         choices.append("compiled" if compile_ else "eager")
     graph = ex.cuda_graph
     if graph is None:
-        obstacle = graph_obstacle(device, ex.parallel, dtype, ex.activation_checkpointing)
+        obstacle = graph_obstacle(device, ex.parallel, dtype, ex.activation_checkpointing, optimizer)
         graph = obstacle is None
         choices.append("each step replayed as one CUDA graph" if graph else f"no CUDA graph ({obstacle})")
     elif graph:
@@ -343,6 +352,11 @@ def _warnings(config: Config, explicit: frozenset[str]) -> list[str]:
     return out
 
 
+def default_warmup_steps(steps: int) -> int:
+    """The learning rate's linear warm-up when none is asked: 100 steps, at most a tenth of the run."""
+    return min(100, steps // 10)
+
+
 def world_size_from_env(parallel: str) -> int:
     """The number of ranks torchrun starts (WORLD_SIZE), 1 for one process."""
     return int(os.environ.get("WORLD_SIZE", "1")) if parallel != "none" else 1
@@ -360,10 +374,10 @@ def resolve(config: Config, explicit: frozenset[str] = frozenset(), world_size: 
     if ex.parallel != "none" and device.type == "cuda" and "LOCAL_RANK" in os.environ:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     world = world_size or world_size_from_env(ex.parallel)
-    execution, choices = _speed_defaults(ex, device)
+    execution, choices = _speed_defaults(ex, device, config.optim.optimizer)
     warmup = config.optim.warmup_steps
     if warmup is None:
-        warmup = min(100, config.run.steps // 10)
+        warmup = default_warmup_steps(config.run.steps)
     config = dataclasses.replace(config, execution=execution,
                                  optim=dataclasses.replace(config.optim, warmup_steps=warmup))
     _check_combinations(config, device, world)

@@ -37,6 +37,14 @@ from training.precision import autocast, grad_scaler
 GRAPH_WARMUP = 2  # eager steps before a CUDA graph is captured (compile and autotune happen in the first)
 
 
+def warm_up_steps(config: Config) -> int:
+    """The first steps that do one-time work (compile; the graph's eager steps and its capture), which a run times
+    apart from the others."""
+    if config.execution.cuda_graph:
+        return GRAPH_WARMUP + 1
+    return int(bool(config.execution.compile))
+
+
 def keep_weight_copies(model: nn.Module, precision: str) -> dict[nn.Parameter, torch.Tensor]:
     """Under bf16/fp16 autocast, each fp32 Linear weight gets a low-precision copy that the forward reads and the
     optimizer rewrites; {weight: copy}. SwiGLU's w1 and w3 share one tensor, which its fused matmul reads whole."""

@@ -36,7 +36,7 @@ from training.progress import Progress, duration
 from training.run import directory
 from training.run.failures import RunError, StoppedAtOnce
 from training.run.signals import Interrupted, StopRequest, stop_status
-from training.step import GRAPH_WARMUP, build_step
+from training.step import build_step, warm_up_steps
 
 CPU_HOUR_WARNING_S = 3600.0
 CPU_SIZED = "--size tiny --context-length 128 --batch-size 8 --steps 200"
@@ -172,8 +172,7 @@ class Trainer:
 
     def _loop(self, stop: StopRequest, progress: Progress) -> None:
         run, state, first = self.config.run, self.state, self.state.step
-        warm = min(GRAPH_WARMUP + 1 if self.config.execution.cuda_graph else int(bool(self.config.execution.compile)),
-                   run.steps - first)
+        warm = min(warm_up_steps(self.config), run.steps - first)
         window = Window(time.perf_counter(), 0)
         if warm:
             progress.write(f"warming up: the first {warm} step{'s' * (warm > 1)} compile"

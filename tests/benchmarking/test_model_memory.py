@@ -98,6 +98,24 @@ def test_state_terms_follow_the_mode():
     assert fwd.saved_bytes == 0 and fwd.expected_peak_bytes > 4 * p
 
 
+def test_muons_state_is_what_its_optimizers_hold():
+    """A momentum per block matrix (Muon) and two moments for the rest (AdamW), against the built optimizer."""
+    from tests.training.resolved import resolved
+    from training.step import build_step
+
+    config = resolved(model=ModelConfig(**{**TINY, "context_length": 32}), optim={"optimizer": "muon"})
+    step = build_step(TransformerLM(config.model, "sdpa"), config)
+    ids = torch.randint(config.model.vocab_size, (4, 33))
+    step(ids[:, :-1], ids[:, 1:])
+    held = {name: sum(t.nbytes for opt in step.optimizer.optimizers for s in opt.state.values()
+                      for key, t in s.items() if key in keys)
+            for name, keys in (("muon", {"momentum_buffer"}), ("adamw", {"exp_avg", "exp_avg_sq"}))}
+    terms = {t.name: t.nbytes for t in explain_memory(config.model, 4, 32, "fp32", "train-step",
+                                                      optimizer="muon").state[0].terms}
+    assert terms["Muon momentum of the blocks' matrices (fp32)"] == held["muon"] > 0
+    assert terms["AdamW exp_avg and exp_avg_sq of the rest (fp32)"] == held["adamw"] > 0
+
+
 def test_logits_term_is_batch_context_vocab_times_four():
     cfg = ModelConfig(**{**TINY, "vocab_size": 10_000})
     mb = explain_memory(cfg, 4, 128, "bf16", "train-step")

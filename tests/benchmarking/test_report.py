@@ -82,6 +82,15 @@ def test_log_wandb_offline_writes_a_run(tmp_path):
     assert list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+def test_log_wandb_logs_further_tables_beside_the_rows(tmp_path):
+    from tests.training.wandb_offline import history_and_summary
+
+    curves = [{"recipe": "adamw", "clock_s": 0.0, "val_bpb": 8.0}, {"recipe": "adamw", "clock_s": 1.0, "val_bpb": 7.0}]
+    log_wandb(ROWS, mode="offline", project="test", directory=tmp_path / "wb", tables={"curves": curves})
+    (row,), _ = history_and_summary(tmp_path / "wb" / "wandb")
+    assert {"results", "curves"} <= {key.split("/")[0] for key in row}
+
+
 def test_log_wandb_rejects_bad_mode():
     with pytest.raises(ValueError, match="offline"):
         log_wandb(ROWS, mode="cloud", project="t")

@@ -1,5 +1,5 @@
 """training/cli.py: the command line generated from the configuration tree (one flag per field, of the same name),
---size and --config FILE, --resume from a run's config.json, and errors as one line with exit status 2."""
+--size and --config (a recipe or a file), --resume from a run's config.json, and errors as one line with exit status 2."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import train
 from model import PRESETS, ModelConfig
-from training import cli
+from training import cli, recipes
 from training.config import SECTIONS, Config, ConfigError, flag_of, resolve
 
 TINY = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--context-length", "32"]
@@ -142,11 +142,35 @@ def test_a_config_file_with_an_unknown_name_is_refused_naming_the_file_and_key(c
 
 
 def test_a_config_file_that_is_missing_or_not_json_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=rf"^--config {tmp_path}/none.json does not exist$"):
+    with pytest.raises(ConfigError, match=rf"^--config {tmp_path}/none.json does not exist \(nor is it a recipe: "
+                                          r"adamw, muon\)$"):
         cli.parse(["--config", str(tmp_path / "none.json")])
     (tmp_path / "bad.json").write_text("{optim: 1}")
     with pytest.raises(ConfigError, match=rf"^--config {tmp_path}/bad.json is not a JSON file: "):
         cli.parse(["--config", str(tmp_path / "bad.json")])
+
+
+def test_a_recipe_is_a_config_by_name_and_the_flags_still_win():
+    config, explicit = cli.parse(["--config", "muon"])
+    assert (config.optim.optimizer, config.optim.lr) == ("muon", recipes.MUON_LR)
+    assert config.replace(optim={"optimizer": "adamw", "lr": Config().optim.lr}) == Config()  # nothing else
+    assert {"optimizer", "lr"} <= explicit
+    config, _ = cli.parse(["--config", "muon", "--lr", "1e-3"])
+    assert (config.optim.optimizer, config.optim.lr) == ("muon", 1e-3)
+    assert cli.parse(["--config", "adamw"])[0] == Config()
+
+
+def test_every_recipe_resolves_and_is_listed_in_the_help(capsys):
+    for name in recipes.recipe_names():
+        sections = cli.read_config(name)
+        assert sections == recipes.RECIPES[name].sections
+        resolve(cli.apply(Config(), cli.flatten(sections)).replace(execution={"device": "cpu"}))
+    with pytest.raises(SystemExit):
+        cli.build_parser("train.py", "").parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "Recipes (--config NAME; the flags given still win):" in text
+    for recipe in recipes.RECIPES.values():
+        assert f"  {recipe.name}" in text and recipe.description[:40] in " ".join(text.split())
 
 
 # ------------------------------------------------------------------------------------------------ --resume

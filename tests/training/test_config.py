@@ -73,9 +73,9 @@ def test_the_graph_stays_off_where_it_does_not_apply_and_says_why(setting, reaso
     ex, choices = _speed_defaults(ExecutionConfig(**setting), CUDA)
     assert not ex.cuda_graph and f"no CUDA graph ({reason})" in choices
     assert ex.compile == torch._dynamo.is_dynamo_supported()  # compiling still applies
-    assert graph_obstacle(CUDA, ex.parallel, ex.dtype, ex.activation_checkpointing) == reason
-    assert graph_obstacle(CPU, "none", "fp32", False) == "CUDA graphs need a GPU"
-    assert graph_obstacle(CUDA, "none", "bf16", False) is None
+    assert graph_obstacle(CUDA, ex.parallel, ex.dtype, ex.activation_checkpointing, "adamw") == reason
+    assert graph_obstacle(CPU, "none", "fp32", False, "adamw") == "CUDA graphs need a GPU"
+    assert graph_obstacle(CUDA, "none", "bf16", False, "adamw") is None
 
 
 def test_given_settings_win():

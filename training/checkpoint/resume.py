@@ -103,6 +103,17 @@ def check_architecture(path: Path, state: dict[str, Any], model_config: ModelCon
         raise ResumeError(f"checkpoint {path} was written for another model: {listed}")
 
 
+def check_optimizer_state(path: Path, state: dict[str, Any], optimizer: str) -> None:
+    """The checkpoint's optimizer state must be one this run's optimizer continues from: the same layout (adamw's
+    moments load into adamw-bf16 and back; Muon's momentum does not)."""
+    from training.optim.registry import state_layout
+
+    saved = state.get("config", {}).get("optim", {}).get("optimizer")
+    if saved is not None and state_layout(saved) != state_layout(optimizer):
+        raise ResumeError(f"checkpoint {path} holds the state of --optimizer {saved}, which --optimizer {optimizer} "
+                          f"cannot continue from: resume with --optimizer {saved}, or start a new run")
+
+
 def _legacy_by_name(model: torch.nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
     """An earlier version's optimizer state keyed by parameter name: one optimizer's, keyed by position over its
     groups (the matrices, then the other parameters, as it built them), or one per parameter's (--overlap-optimizer)."""
@@ -130,6 +141,7 @@ def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: Any, scaler: t
     """Restore model, optimizer, scaler and RNG from the newest checkpoint in `out` that loads."""
     path, state = _read(out, ctx, warn, config.run.allow_pickle)
     check_architecture(path, state, config.model)
+    check_optimizer_state(path, state, config.optim.optimizer)
     if ctx.parallel == "fsdp":
         sharded_checkpoint.load(path, model, optimizer)
     else:

@@ -1,15 +1,18 @@
 """Text to prepare: which files, their content hash, and their documents read as bounded pieces of UTF-8 text.
 
-A corpus is a text file, a directory of text files, or the built-in corpus (this Python's standard library sources,
-training/data/text.py's default). Every file is a document, and so is every part of a file between two occurrences of the
-separator (`<|endoftext|>` by default, as in TinyStories' text files). Files are read in blocks and long documents
-are cut into pieces of at most `max_chars` characters, so memory stays bounded whatever the corpus size.
+A corpus is a text file, a directory of text files, or a named one: `stdlib`, the built-in corpus (this Python's
+standard library sources, training/data/text.py's default), or `python-packages`, the Python sources of the installed
+packages (site-packages), deduplicated by content, whose validation split is whole files. Every file is a document,
+and so is every part of a file between two occurrences of the separator (`<|endoftext|>` by default, as in
+TinyStories' text files). Files are read in blocks and long documents are cut into pieces of at most `max_chars`
+characters, so memory stays bounded whatever the corpus size.
 """
 
 from __future__ import annotations
 
 import codecs
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,8 @@ from training.data.text import stdlib_dir, stdlib_sources, text_files
 BLOCK_BYTES = 1 << 20  # read size
 BINARY_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a binary file (git's rule)
 BUILTIN = "stdlib"
+PACKAGES = "python-packages"
+NAMED = (BUILTIN, PACKAGES)
 
 
 class CorpusError(ValueError):
@@ -32,6 +37,11 @@ class TextCorpus:
     root: Path  # names in the content hash are relative to it, so a moved corpus keeps its hash
     name: str  # default name of the prepared directory
     description: str
+    # Validation holds whole files, drawn by a hash of their names, rather than the corpus' last bytes: a corpus
+    # in sorted order would otherwise hold out the last packages alone, and cut a file in two.
+    val_by_file: bool = False
+    # The document separator when none is asked (None: prepare.Settings'); "" makes each file one document.
+    separator: Optional[str] = None
 
     @property
     def total_bytes(self) -> int:
@@ -54,15 +64,58 @@ def _is_binary(path: Path) -> bool:
 
 
 def _is_utf8(path: Path) -> bool:
+    return _decodes(path.read_bytes())
+
+
+def package_dirs() -> list[Path]:
+    """Where the installed packages are: sysconfig's purelib and platlib (often one directory), those that exist."""
+    dirs: list[Path] = []
+    for key in ("purelib", "platlib"):
+        path = Path(sysconfig.get_paths()[key])
+        if path.is_dir() and all(path.resolve() != d.resolve() for d in dirs):
+            dirs.append(path)
+    return dirs
+
+
+def package_sources() -> TextCorpus:
+    """The `python-packages` corpus: every *.py under package_dirs(), each content once (packages vendor the same
+    modules: pip, setuptools, torch's third-party copies), empty files, binary and non-UTF-8 files left out."""
+    dirs = package_dirs()
+    files, seen, duplicates, skipped = [], set(), 0, 0
+    for path in (f for root in dirs for f in sorted(root.rglob("*.py")) if f.is_file()):
+        data = path.read_bytes()
+        if not data:
+            continue
+        digest = hashlib.sha256(data).digest()
+        if digest in seen:
+            duplicates += 1
+        elif b"\0" in data or not _decodes(data):
+            skipped += 1
+        else:
+            seen.add(digest)
+            files.append(path)
+    if not files:
+        raise CorpusError(f"no Python sources under {', '.join(map(str, dirs)) or 'site-packages'}")
+    root = Path(os.path.commonpath(dirs))
+    left_out = [f"{duplicates} duplicate{'s' * (duplicates != 1)}"] + [f"{skipped} not UTF-8"] * bool(skipped)
+    return TextCorpus(files, root, PACKAGES, f"Python sources of the installed packages under "
+                      f"{', '.join(map(str, dirs))} ({len(files)} files; {' and '.join(left_out)} left out)",
+                      val_by_file=True, separator="")  # "<|endoftext|>" in a module is code (tokenizers' own)
+
+
+def _decodes(data: bytes) -> bool:
     try:
-        path.read_bytes().decode("utf-8")
+        data.decode("utf-8")
         return True
     except UnicodeDecodeError:
         return False
 
 
 def resolve(spec: Optional[str]) -> TextCorpus:
-    """`spec`: None or 'stdlib' (the built-in corpus), a text file, or a directory (its text files, recursively)."""
+    """`spec`: None or 'stdlib' (the built-in corpus), 'python-packages', a text file, or a directory (its text files,
+    recursively)."""
+    if spec == PACKAGES:
+        return package_sources()
     if spec is None or spec == BUILTIN:
         files = stdlib_sources()
         # A few of the standard library's test files are in other encodings on purpose (iso-8859-1, koi8-r).
@@ -106,8 +159,27 @@ def _line_start_after(path: Path, offset: int) -> int:
     return pos
 
 
+def _name_hash(corpus: TextCorpus, path: Path) -> float:
+    """A number in [0, 1) from the file's name relative to the corpus' root: the same whatever else is installed."""
+    name = str(path.relative_to(corpus.root) if path.is_relative_to(corpus.root) else path)
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64
+
+
+def _split_by_file(corpus: TextCorpus, val_fraction: float) -> list[Segment]:
+    """Whole files in each split: those whose name hashes below `val_fraction` are validation (about that share of
+    the files, spread over the packages; at least one when there are two files)."""
+    files = [(f, size) for f in corpus.files if (size := f.stat().st_size) > 0]
+    val = {f for f, _ in files if _name_hash(corpus, f) < val_fraction}
+    if not val and len(files) > 1:
+        val = {min((f for f, _ in files), key=lambda f: _name_hash(corpus, f))}
+    return [Segment(f, 0, size, "val" if f in val else "train") for f, size in files]
+
+
 def split_segments(corpus: TextCorpus, val_fraction: float) -> list[Segment]:
-    """The last `val_fraction` of the corpus' bytes (from a line start on) is the validation split."""
+    """The last `val_fraction` of the corpus' bytes (from a line start on) is the validation split; for a corpus
+    held out by file, whole files are (`_split_by_file`)."""
+    if corpus.val_by_file:
+        return _split_by_file(corpus, val_fraction)
     sizes = [f.stat().st_size for f in corpus.files]
     total = sum(sizes)
     threshold = int(total * (1 - val_fraction))

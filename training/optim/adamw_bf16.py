@@ -162,7 +162,8 @@ class AdamW(torch.optim.Optimizer):
 
 
 @register("adamw-bf16", description="AdamW with bf16 moments; its update also writes the bf16 weight copies the "
-                                    "forward reads", steps_in_backward=True, shards=False, keeps_weight_copies=True)
+                                    "forward reads", steps_in_backward=True, shards=False, keeps_weight_copies=True,
+          state_layout="adamw")
 def build(model: nn.Module, params: list[nn.Parameter], s: OptimizerSettings) -> AdamW:
     return AdamW(decay_groups(params, s.config.weight_decay), lr=s.lr, betas=BETAS, eps=EPS,
                  state_dtype=torch.bfloat16, weight_copies=s.weight_copies)

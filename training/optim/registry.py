@@ -1,12 +1,18 @@
 """Optimizers by name. An optimizer is one module that calls `register`; training/step.py builds it by name.
 
 Every registered optimizer is a `torch.optim.Optimizer` whose `step(clip_coef=None)` first multiplies every gradient by
-the 0-dim tensor `clip_coef` when given (the clipping coefficient the step computed from the global norm). What an
-entry declares:
+the 0-dim tensor `clip_coef` when given (the clipping coefficient the step computed from the global norm), or an
+object driven the same way (`param_groups`, `step(clip_coef=None)`, `zero_grad`, `state_dict`/`load_state_dict`) that
+lists the torch optimizers it combines as `.optimizers`: checkpoints save their state by parameter name through that
+list (training/checkpoint/resume.py, muon.py). What an entry declares:
 - steps_in_backward: it can step each parameter on its own, as soon as its gradient exists (training/optim/overlapped.py
   then steps it during the backward when nothing needs all gradients first);
 - shards: it runs on FSDP's sharded parameters (elementwise updates do; one that needs whole matrices does not);
-- keeps_weight_copies: under bf16/fp16 autocast it rewrites the low-precision weight copies the forward reads.
+- keeps_weight_copies: under bf16/fp16 autocast it rewrites the low-precision weight copies the forward reads;
+- capturable: its step can be captured in a CUDA graph (it reads its learning rate and step count from device
+  tensors, and nothing in it waits for the host); training/config.py leaves the graph off for one that cannot;
+- state_layout: what its per-parameter state holds (default: its own name); a checkpoint's optimizer state resumes
+  a run whose optimizer has the same layout (adamw-bf16 keeps adamw's moments, in bf16).
 """
 
 from __future__ import annotations
@@ -44,17 +50,21 @@ class OptimizerSpec:
     steps_in_backward: bool = False
     shards: bool = True
     keeps_weight_copies: bool = False
+    capturable: bool = True
+    state_layout: str = ""  # "" is the optimizer's own name
 
 
 _OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
 
 def register(name: str, *, description: str, steps_in_backward: bool = False, shards: bool = True,
-             keeps_weight_copies: bool = False) -> Callable[[Builder], Builder]:
+             keeps_weight_copies: bool = False, capturable: bool = True,
+             state_layout: Optional[str] = None) -> Callable[[Builder], Builder]:
     """Decorator: register `build(model, params, settings) -> optimizer` under `name`."""
 
     def decorate(build: Builder) -> Builder:
-        _OPTIMIZERS[name] = OptimizerSpec(name, build, description, steps_in_backward, shards, keeps_weight_copies)
+        _OPTIMIZERS[name] = OptimizerSpec(name, build, description, steps_in_backward, shards, keeps_weight_copies,
+                                          capturable, state_layout or name)
         return build
 
     return decorate
@@ -68,6 +78,11 @@ def get_optimizer(name: str) -> OptimizerSpec:
     if name not in _OPTIMIZERS:
         raise KeyError(f"unknown optimizer {name!r}; valid: {', '.join(_OPTIMIZERS)}")
     return _OPTIMIZERS[name]
+
+
+def state_layout(name: str) -> str:
+    """The state layout of optimizer `name`; a name no longer registered is its own layout."""
+    return _OPTIMIZERS[name].state_layout if name in _OPTIMIZERS else name
 
 
 def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:

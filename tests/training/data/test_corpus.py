@@ -119,3 +119,48 @@ def test_content_hash_follows_content_names_and_settings(tmp_path):
     assert content_hash(corpus, "other settings") != first
     (tmp_path / "a.txt").write_text("alphb")
     assert content_hash(corpus, "settings") != first
+
+
+@pytest.fixture
+def site_packages(tmp_path, monkeypatch):
+    """A fake site-packages of two packages: 40 modules, a vendored copy of one, an empty __init__.py, a module in
+    Latin-1, a file that is not *.py; the corpus looks there."""
+    site = tmp_path / "site-packages"
+    for package in ("alpha", "beta"):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text("")
+        for i in range(20):
+            (site / package / f"mod{i}.py").write_text(f"def {package}_{i}(x):\n    return x * {i}\n" * (i + 1))
+    (site / "beta" / "_vendor").mkdir()
+    (site / "beta" / "_vendor" / "mod3.py").write_bytes((site / "alpha" / "mod3.py").read_bytes())
+    (site / "beta" / "latin.py").write_bytes("s = 'caf\u00e9'\n".encode("latin-1"))
+    (site / "beta" / "README.txt").write_text("not a module\n")
+    monkeypatch.setattr(text_corpus, "package_dirs", lambda: [site])
+    return site
+
+
+def test_python_packages_drops_duplicates_and_holds_out_whole_files(site_packages):
+    corpus = resolve("python-packages")
+    assert corpus.name == "python-packages" and corpus.root == site_packages and corpus.val_by_file
+    assert len(corpus.files) == 40 and all(f.suffix == ".py" and f.stat().st_size > 0 for f in corpus.files)
+    assert site_packages / "beta" / "_vendor" / "mod3.py" not in corpus.files  # alpha/mod3.py's content, once
+    assert site_packages / "beta" / "latin.py" not in corpus.files
+    assert corpus.description == (f"Python sources of the installed packages under {site_packages} (40 files; "
+                                  "1 duplicate and 1 not UTF-8 left out)")
+    segments = split_segments(corpus, 0.2)
+    assert sorted(s.path for s in segments) == sorted(corpus.files)  # each file once, in one split
+    assert all((s.start, s.end) == (0, s.path.stat().st_size) for s in segments), "whole files"
+    val = [s.path for s in segments if s.split == "val"]
+    assert 2 <= len(val) <= 16 and {p.parent.name for p in val} == {"alpha", "beta"}  # spread over the packages
+    assert split_segments(resolve("python-packages"), 0.2) == segments  # the same choice each time
+    # The choice depends on each file's own name: another package installed leaves it as it was.
+    (site_packages / "gamma").mkdir()
+    (site_packages / "gamma" / "extra.py").write_text("z = 1\n")
+    assert {s.path for s in split_segments(resolve("python-packages"), 0.2) if s.split == "val"} - {
+        site_packages / "gamma" / "extra.py"} == set(val)
+
+
+def test_python_packages_without_sources_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(text_corpus, "package_dirs", lambda: [tmp_path])
+    with pytest.raises(CorpusError, match=f"^no Python sources under {tmp_path}$"):
+        resolve("python-packages")

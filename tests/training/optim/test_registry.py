@@ -14,7 +14,8 @@ from model import TransformerLM
 from model.layers import Linear
 from tests.training.resolved import resolved
 from training import cli
-from training.config import ConfigError, overlaps_backward, resolve
+from training.config import (ConfigError, ExecutionConfig, _check_combinations, _speed_defaults, overlaps_backward,
+                             resolve)
 from training.optim import OptimizerSettings, get_optimizer, optimizer_names, register, registry
 from training.optim.overlapped import OverlappedOptimizer
 from training.precision import autocast
@@ -88,10 +89,10 @@ def step_with(optimizer: str, **sections):
 
 def test_a_registered_optimizer_trains_a_model_by_name_and_gets_the_clipping_coefficient(declare):
     settings = declare("sgd")
-    assert optimizer_names() == ["adamw", "adamw-bf16", "sgd"]
+    assert optimizer_names() == ["adamw", "adamw-bf16", "muon", "sgd"]
     spec = get_optimizer("sgd")
     assert spec.description == "plain SGD" and not spec.steps_in_backward and spec.shards
-    assert not spec.keeps_weight_copies
+    assert not spec.keeps_weight_copies and spec.capturable and spec.state_layout == "sgd"
     step = step_with("sgd", optim={"grad_clip": 0.5, "lr": 1.0})
     assert isinstance(step.optimizer, SGD)
     (s,) = settings
@@ -116,9 +117,9 @@ def test_a_registered_optimizer_is_a_flag_value(declare):
 
 def test_unknown_names_are_refused_with_the_known_ones(declare):
     declare("sgd")
-    with pytest.raises(KeyError, match="unknown optimizer 'nope'; valid: adamw, adamw-bf16, sgd"):
+    with pytest.raises(KeyError, match="unknown optimizer 'nope'; valid: adamw, adamw-bf16, muon, sgd"):
         get_optimizer("nope")
-    with pytest.raises(ConfigError, match=r"^unknown --optimizer 'nope'; valid: adamw, adamw-bf16, sgd$"):
+    with pytest.raises(ConfigError, match=r"^unknown --optimizer 'nope'; valid: adamw, adamw-bf16, muon, sgd$"):
         resolved(optim={"optimizer": "nope"})
 
 
@@ -194,3 +195,29 @@ def test_the_forward_reads_the_copies_so_an_optimizer_keeping_them_must_rewrite_
             assert torch.equal(loss, want)
         else:
             assert abs(loss.item() - want.item()) > 1e-3  # the forward read the stale copies
+
+
+def test_an_optimizer_that_cannot_be_captured_keeps_the_cuda_graph_off_and_refuses_it(declare):
+    """capturable=False: the graph is left off by default, with the reason among the run's first words, and an
+    explicit --cuda-graph is refused in one line (checked as on a GPU: the rules need no device)."""
+    declare("sgd-host", capturable=False)
+    declare("sgd-graphed")
+    cuda = torch.device("cuda")
+    ex, choices = _speed_defaults(ExecutionConfig(), cuda, "sgd-host")
+    assert not ex.cuda_graph
+    assert choices[-1] == "no CUDA graph (not captured with --optimizer sgd-host, whose step reads its learning rate " \
+                          "on the host)"
+    assert _speed_defaults(ExecutionConfig(), cuda, "sgd-graphed")[0].cuda_graph
+    asked = resolved().replace(optim={"optimizer": "sgd-host"}, execution={"cuda_graph": True, "dtype": "bf16"})
+    with pytest.raises(ConfigError) as e:
+        _check_combinations(asked, cuda, 1)
+    assert str(e.value) == ("--cuda-graph: not captured with --optimizer sgd-host, whose step reads its learning rate "
+                            "on the host")
+    _check_combinations(asked.replace(optim={"optimizer": "sgd-graphed"}), cuda, 1)
+
+
+def test_the_state_layout_says_which_checkpoints_an_optimizer_continues_from(declare):
+    declare("sgd")
+    declare("sgd-like-adamw", state_layout="adamw")
+    assert [registry.state_layout(n) for n in ("adamw", "adamw-bf16", "muon", "sgd", "sgd-like-adamw", "gone")] == [
+        "adamw", "adamw", "muon", "sgd", "adamw", "gone"]

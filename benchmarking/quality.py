@@ -1,0 +1,347 @@
+"""Time to quality: how long each recipe takes to bring a model to a validation bits per byte.
+
+`bench_model.py --mode time-to-quality --recipes adamw,muon --data DIR --minutes 20 --eval-interval-s 60` trains,
+for each model size and each recipe (training/recipes.py, or a JSON file of config sections), the same model from
+the same seed on the same data and batches, with the recipe's step built by training.step.build_step from its
+resolved configuration, as train.py builds it, for a wall-clock budget. The clock counts training alone:
+
+- the first steps, which compile and capture the CUDA graph (training.step.warm_up_steps), are timed apart, as
+  train.py's logged step times are;
+- every --eval-interval-s seconds of training the clock stops (after a synchronise), validation bits per byte are
+  measured on the same fixed batches for every recipe, and the clock restarts: evaluation costs no budget.
+
+The learning rate follows the recipe's warm-up and cosine decay over the steps the budget holds at the speed
+measured so far, so that it reaches --min-lr as the budget ends (train.py's schedule, with --steps estimated).
+The target is the first recipe's final bits per byte (or --target-bpb); each recipe's time and tokens to reach it
+are those of its first evaluation at or below it (a resolution of --eval-interval-s).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from benchmarking.oom import free_memory
+from benchmarking.timing import synchronize
+from model import ModelConfig, TransformerLM
+from training import cli
+from training.config import Config, ConfigError, default_warmup_steps, resolve
+from training.data import DataSource, open_source, vocab_of
+from training.data.sampling import Sampler
+from training.evaluation import Evaluation, evaluate
+from training.optim.schedule import lr_at
+from training.recipes import RECIPES
+from training.step import TrainingStep, build_step, warm_up_steps
+from training.trainer import split
+
+Say = Callable[[str], None]
+UNKNOWN_STEPS = 10**9  # a run's length before its speed is known
+
+
+@dataclass(frozen=True)
+class QualitySettings:
+    """What every recipe of one comparison shares."""
+
+    sizes: dict[str, ModelConfig]  # the model of each size, its context length set (the vocabulary is the data's)
+    recipes: list[str]  # recipe names or JSON files
+    data: Optional[str]  # --data: None is the built-in corpus
+    budget_s: float
+    interval_s: float
+    target_bpb: Optional[float]
+    seed: int
+    eval_batches: int
+    overrides: dict[tuple[str, str], Any]  # (section, field) -> value of the flags given, over each recipe
+    cache_dir: Path  # the token cache of text data
+
+
+def recipe_label(spec: str) -> str:
+    """A recipe's name, or a JSON file's stem."""
+    return spec if spec in RECIPES else Path(spec).stem
+
+
+def recipe_config(spec: str, model: ModelConfig, overrides: dict[tuple[str, str], Any]) -> tuple[Config, frozenset]:
+    """The configuration of one recipe: the size's model, the recipe's sections, then the flags given; and the fields
+    set (which decide some defaults). Resolved by the caller, as train.py resolves its command line."""
+    sections = cli.flatten(cli.read_config(spec))
+    config = cli.apply(Config(model=model), {**sections, **overrides})
+    return config, frozenset(name for _, name in [*sections, *overrides])
+
+
+def resolved_config(spec: str, model: ModelConfig, overrides: dict[tuple[str, str], Any]) -> tuple[Config, frozenset]:
+    """recipe_config, resolved for one process (ConfigError names the recipe), and the fields it set."""
+    config, explicit = recipe_config(spec, model, overrides)
+    try:
+        return resolve(config, explicit, world_size=1).config, explicit
+    except ConfigError as e:
+        raise ConfigError(f"recipe {recipe_label(spec)}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------ one recipe
+
+
+class Clock:
+    """Seconds of training: runs between start() and stop(); stop() synchronises first, so that the queued steps
+    count. read() is the host's view, without synchronising: step_done() keeps the GPU at most LEAD steps behind
+    the host, so that the host's view is that close to the truth (a replayed CUDA graph is one launch: unbounded,
+    the host would queue hundreds of steps and overrun the budget by as many) while the GPU always has work queued."""
+
+    LEAD = 2
+
+    def __init__(self, device: torch.device):
+        self.device, self.total, self._since = device, 0.0, None
+        self._queued: deque = deque()
+
+    def step_done(self) -> None:
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._queued.append(event)
+        if len(self._queued) > self.LEAD:
+            self._queued.popleft().synchronize()
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> float:
+        synchronize(self.device)
+        self._queued.clear()  # all done
+        if self._since is not None:
+            self.total += time.perf_counter() - self._since
+        self._since = None
+        return self.total
+
+    def read(self) -> float:
+        return self.total + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+
+@dataclass
+class RecipeRun:
+    """One recipe's training: its step, data and figures so far."""
+
+    label: str
+    size: str
+    config: Config
+    step: TrainingStep
+    sampler: Sampler
+    token_bytes: torch.Tensor
+    explicit_warmup: bool  # the recipe or a flag set --warmup-steps; else the budget's default
+    points: list[dict[str, Any]] = field(default_factory=list)  # one per evaluation
+    steps: int = 0  # all steps, warm-up ones included
+    timed_steps: int = 0  # the steps on the clock
+    train_s: float = 0.0  # the clock: seconds of training
+    warmup_s: float = 0.0
+    status: str = "ok"  # ok, diverged, interrupted, OOM, error
+    message: str = ""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.data.batch_size * self.config.model.context_length
+
+    def lr(self, clock_s: float, budget_s: float) -> float:
+        """The recipe's schedule (train.py's) over the steps that the budget holds at the speed so far."""
+        o = self.config.optim
+        if self.timed_steps and clock_s > 0:
+            left = (budget_s - clock_s) * self.timed_steps / clock_s
+            planned = max(self.steps + 1, round(self.steps + left))
+        else:  # no speed measured yet (the warm-up steps): the start of a long run's schedule
+            planned = UNKNOWN_STEPS
+        warmup = o.warmup_steps if self.explicit_warmup else default_warmup_steps(planned)
+        return lr_at(self.steps, o.lr, o.min_lr, warmup, planned)
+
+    def train_step(self, clock_s: float, budget_s: float) -> torch.Tensor:
+        self.step.set_lr(self.lr(clock_s, budget_s))
+        batch = self.sampler.train(self.steps)
+        loss, _ = self.step(batch.inputs, batch.targets, batch.doc_ids, want_norm=False)
+        self.steps += 1
+        return loss
+
+    def evaluate(self) -> Evaluation:
+        """Bits per byte on the fixed validation batches (the same for every recipe: drawn by seed and index)."""
+        model, n = self.step.model, self.config.execution.grad_accum_steps
+        model.eval()
+        batches = (part for b in self.sampler.val(self.config.run.eval_batches) for part in split(b, n))
+        result = evaluate(self.step.loss, batches, self.token_bytes)
+        model.train()
+        return result
+
+
+def build_run(spec: str, size: str, config: Config, explicit: frozenset, source: DataSource) -> RecipeRun:
+    """The recipe's model (from the run's seed) and step, and the run's batches; `explicit`: the fields the recipe
+    and the flags set."""
+    device = torch.device(config.execution.device)
+    if config.execution.compile:
+        torch._dynamo.reset()  # fresh caches for each recipe: no recompile limit reached across them
+    torch.manual_seed(config.run.seed)
+    with device:
+        model = TransformerLM(config.model, config.execution.attn)
+    step = build_step(model, config)
+    sampler = Sampler(source, config.data.batch_size, config.model.context_length, config.run.seed,
+                      device=device, packed=config.data.pack_documents)
+    token_bytes = torch.as_tensor(source.token_bytes, device=device)
+    return RecipeRun(recipe_label(spec), size, config, step, sampler, token_bytes, "warmup_steps" in explicit)
+
+
+def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
+    """Evaluate with the clock stopped (the caller restarts it); False once the run diverged."""
+    clock_s = clock.stop()
+    result = run.evaluate()
+    train_loss = None if loss is None else float(loss)
+    run.points.append({"size": run.size, "recipe": run.label, "clock_s": clock_s, "step": run.steps,
+                       "tokens": run.steps * run.tokens_per_step, "train_loss": train_loss,
+                       "val_loss": result.loss, "val_bpb": result.bpb})
+    if math.isfinite(result.loss) and (train_loss is None or math.isfinite(train_loss)):
+        return True
+    bad = result.loss if train_loss is None or math.isfinite(train_loss) else train_loss
+    run.status, run.message = "diverged", f"the loss became {bad} at step {run.steps}"
+    return False
+
+
+def warm_up(run: RecipeRun, budget_s: float, say: Say) -> None:
+    """The steps that compile and capture (trained on, as train.py's, but timed apart)."""
+    n = warm_up_steps(run.config)
+    start = time.perf_counter()
+    for _ in range(n):
+        run.train_step(0.0, budget_s)
+    synchronize(run.step.device)
+    run.warmup_s = time.perf_counter() - start
+    if n:
+        say(f"{run.size} {run.label}: warm-up {run.warmup_s:.1f} s for {n} step{'s' * (n > 1)} (not on the clock)")
+
+
+def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> None:
+    """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end)."""
+    warm_up(run, budget_s, say)
+    clock, loss = Clock(run.step.device), None
+    try:
+        if not record(run, clock, loss):
+            return
+        next_eval = interval_s
+        clock.start()
+        while clock.read() < budget_s:
+            loss = run.train_step(clock.read(), budget_s)
+            clock.step_done()
+            run.timed_steps += 1
+            if clock.read() >= next_eval:
+                if not record(run, clock, loss):
+                    return
+                say(progress_line(run, budget_s))
+                next_eval = (math.floor(clock.total / interval_s) + 1) * interval_s
+                clock.start()
+        if not run.points or run.points[-1]["step"] != run.steps:
+            record(run, clock, loss)
+    except KeyboardInterrupt:
+        clock.stop()
+        run.status, run.message = "interrupted", f"stopped after {clock.total:.1f} s of {budget_s:g}"
+        raise
+    finally:
+        run.train_s = clock.total
+
+
+def progress_line(run: RecipeRun, budget_s: float) -> str:
+    p = run.points[-1]
+    return (f"{run.size} {run.label}: {p['clock_s']:.0f}/{budget_s:.0f} s, step {p['step']}, "
+            f"{p['tokens']:,} tokens, val {p['val_loss']:.3f}, {p['val_bpb']:.3f} bpb")
+
+
+# ------------------------------------------------------------------------------------------------ the comparison
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one recipe's run measured, once its model is released."""
+
+    size: str
+    recipe: str
+    config: Optional[Config]  # None when the recipe could not even be built
+    points: list[dict[str, Any]]
+    steps: int = 0
+    timed_steps: int = 0
+    train_s: float = 0.0
+    warmup_s: float = 0.0
+    status: str = "ok"
+    message: str = ""
+
+    @classmethod
+    def of(cls, run: RecipeRun) -> "Outcome":
+        return cls(run.size, run.label, run.config, run.points, run.steps, run.timed_steps, run.train_s,
+                   run.warmup_s, run.status, run.message)
+
+
+def open_data(settings: QualitySettings, context_length: int) -> DataSource:
+    """The data every recipe trains on; it must say how many bytes its tokens encode (bits per byte)."""
+    source = open_source(settings.data, context_length, settings.cache_dir, seed=settings.seed)
+    if source.token_bytes is None:
+        raise ConfigError(f"--data {settings.data}: {source.description} does not say which text its tokens encode, "
+                          "so it has no bits per byte; use text or a prepared directory (prepare_data.py)")
+    return source
+
+
+def configs(settings: QualitySettings,
+            sources: dict[int, DataSource]) -> dict[tuple[str, str], tuple[Config, frozenset]]:
+    """Every (size, recipe) configuration and the fields it sets, resolved before anything trains: a bad recipe
+    fails at once."""
+    out = {}
+    for size, model in settings.sizes.items():
+        vocab = vocab_of(sources[model.context_length], None)
+        for spec in settings.recipes:
+            model_v = ModelConfig.from_dict({**model.to_dict(), "vocab_size": vocab})
+            out[size, spec] = resolved_config(spec, model_v, settings.overrides)
+    return out
+
+
+def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: DataSource, settings: QualitySettings,
+            say: Say, outcomes: list[Outcome]) -> None:
+    """Train one recipe and append its outcome to `outcomes`, whatever happens: an out-of-memory or another error is
+    its outcome and the comparison goes on; a Ctrl-C propagates, the evaluations so far kept."""
+    (config, explicit), run, failure = planned, None, None
+    try:
+        run = build_run(spec, size, config, explicit, source)
+        train_for(run, settings.budget_s, settings.interval_s, say)
+    except torch.OutOfMemoryError as e:
+        failure = ("OOM", str(e).splitlines()[0][:300])
+    except (RuntimeError, ValueError, ConfigError) as e:  # one broken recipe must not lose the others
+        failure = ("error", f"{type(e).__name__}: {e}".splitlines()[0][:300])
+    finally:
+        if run is None:
+            status, message = failure or ("interrupted", "stopped before its first step")
+            outcomes.append(Outcome(size, recipe_label(spec), config, [], status=status, message=message))
+        else:
+            if failure:
+                run.status, run.message = failure
+            outcomes.append(Outcome.of(run))
+            run.step = None  # type: ignore[assignment]  # release the model and its optimizer before the next
+        free_memory()
+
+
+def compare(settings: QualitySettings, say: Say) -> tuple[list[Outcome], bool]:
+    """Every size and recipe in turn; (outcomes, whether a Ctrl-C or SIGTERM ended it early: then the recipe that
+    was training keeps the evaluations it had)."""
+    from benchmarking.interruption import sigterm_as_interrupt
+
+    lengths = sorted({m.context_length for m in settings.sizes.values()})
+    sources = {t: open_data(settings, t) for t in lengths}
+    planned = configs(settings, sources)
+    outcomes: list[Outcome] = []
+    try:
+        with sigterm_as_interrupt():
+            for (size, spec), (config, explicit) in planned.items():
+                say(f"{size} {recipe_label(spec)}: {config.optim.optimizer} lr {config.optim.lr:g}, "
+                    f"{', '.join(execution_words(config))}; {settings.budget_s:g} s of training")
+                run_one(spec, size, (config, explicit), sources[config.model.context_length], settings, say,
+                        outcomes)
+        return outcomes, False
+    except KeyboardInterrupt:
+        return outcomes, True
+
+
+def execution_words(config: Config) -> list[str]:
+    ex = config.execution
+    return [f"{ex.attn} {ex.dtype}", "compiled" if ex.compile else "eager",
+            "CUDA graph" if ex.cuda_graph else "no CUDA graph"]

@@ -1,0 +1,141 @@
+"""benchmarking/quality.py and quality_report.py: the clock that evaluation stops, the schedule stretched over the
+budget, recipes as configurations, and the target each recipe reaches (or never does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarking import quality, quality_report
+from benchmarking.quality import Outcome, QualitySettings, RecipeRun
+from model import ModelConfig
+from training.config import Config, ConfigError
+from training.data import open_source
+from training.evaluation import Evaluation
+
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=256, context_length=32)
+OVERRIDES = {("execution", "device"): "cpu", ("data", "batch_size"): 4, ("run", "eval_batches"): 2}
+
+
+def settings(**changes) -> QualitySettings:
+    base = dict(sizes={"tiny": TINY}, recipes=["adamw", "muon"], data=None, budget_s=1.0, interval_s=0.5,
+                target_bpb=None, seed=0, eval_batches=2, overrides=OVERRIDES, cache_dir=None)
+    return QualitySettings(**{**base, **changes})
+
+
+def test_a_recipe_is_its_sections_over_the_size_and_the_flags_win(tmp_path):
+    config, explicit = quality.resolved_config("muon", TINY, OVERRIDES)
+    assert (config.optim.optimizer, config.model, config.data.batch_size) == ("muon", TINY, 4)
+    assert not config.execution.cuda_graph and {"optimizer", "lr", "batch_size"} <= explicit
+    config, _ = quality.resolved_config("muon", TINY, {**OVERRIDES, ("optim", "grad_clip"): 0.5})
+    assert config.optim.grad_clip == 0.5
+    path = tmp_path / "wsd-like.json"
+    path.write_text(json.dumps({"optim": {"lr": 1e-3, "warmup_steps": 5}}))
+    config, explicit = quality.resolved_config(str(path), TINY, OVERRIDES)
+    assert (config.optim.optimizer, config.optim.lr, config.optim.warmup_steps) == ("adamw", 1e-3, 5)
+    assert "warmup_steps" in explicit and quality.recipe_label(str(path)) == "wsd-like"
+    path.write_text(json.dumps({"optim": {"optimizer": "muon"}, "execution": {"parallel": "fsdp"}}))
+    with pytest.raises(ConfigError, match="^recipe wsd-like: --optimizer muon updates whole parameters"):
+        quality.resolved_config(str(path), TINY, OVERRIDES)
+
+
+class FakeTime:
+    """perf_counter for the quality module: a step takes 0.25 s, an evaluation 5 s."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
+    real_step = RecipeRun.train_step
+
+    def step(self, clock_s, budget_s):
+        fake.now += 0.25
+        return real_step(self, clock_s, budget_s)
+
+    def evaluate(self):
+        fake.now += 5.0
+        return Evaluation(4.0 - self.steps / 10, 1.0, 256)
+
+    monkeypatch.setattr(RecipeRun, "train_step", step)
+    monkeypatch.setattr(RecipeRun, "evaluate", evaluate)
+    config, explicit = quality.resolved_config("adamw", TINY, OVERRIDES)
+    run = quality.build_run("adamw", "tiny", config, explicit, _source())
+    quality.train_for(run, budget_s=1.0, interval_s=0.5, say=lambda line: None)
+    assert [(p["clock_s"], p["step"]) for p in run.points] == [(0.0, 0), (0.5, 2), (1.0, 4)]
+    assert (run.train_s, run.steps, run.timed_steps) == (1.0, 4, 4)  # 15 s of evaluation, not on the clock
+    assert [p["tokens"] for p in run.points] == [0, 2 * 128, 4 * 128]
+    assert run.points[0]["train_loss"] is None and run.points[-1]["train_loss"] is not None
+
+
+def _source():
+    """Synthetic tokens, which say each token is one byte (bits per byte need that)."""
+    source = open_source("synthetic", TINY.context_length, None, vocab_size=256)
+    return dataclasses.replace(source, token_bytes=np.ones(256, dtype=np.int64))
+
+
+def test_the_learning_rate_warms_up_then_decays_to_the_floor_as_the_budget_ends():
+    config, _ = quality.resolved_config("adamw", TINY, OVERRIDES)
+    run = RecipeRun("adamw", "tiny", config, None, None, None, explicit_warmup=False)
+    lr, floor = config.optim.lr, config.optim.min_lr
+    assert run.lr(0.0, 10.0) == pytest.approx(lr / 100)  # no speed yet: a long run's first warm-up step
+    run.steps = run.timed_steps = 100
+    assert run.lr(5.0, 10.0) == pytest.approx(floor + 0.5 * (lr - floor) * (1 + torch.cos(
+        torch.tensor(torch.pi * 80 / 180)).item()))  # 200 steps planned, warm-up 20: cosine at 80 of 180
+    assert run.lr(10.0, 10.0) == pytest.approx(floor, rel=1e-2)  # the budget's end: the floor (its last step)
+    run.explicit_warmup, run.steps, run.timed_steps = True, 0, 0
+    assert run.lr(0.0, 10.0) == pytest.approx(lr / config.optim.warmup_steps)
+
+
+def outcome(recipe: str, bpbs: list[float], size: str = "tiny", status: str = "ok") -> Outcome:
+    config = Config(model=TINY).replace(execution={"device": "cpu", "dtype": "fp32"}, data={"batch_size": 4})
+    points = [{"size": size, "recipe": recipe, "clock_s": 10.0 * i, "step": 5 * i, "tokens": 5 * i * 128,
+               "train_loss": None, "val_loss": b * 0.69, "val_bpb": b} for i, b in enumerate(bpbs)]
+    return Outcome(size, recipe, config, points, steps=5 * (len(bpbs) - 1), timed_steps=5 * (len(bpbs) - 1),
+                   train_s=10.0 * (len(bpbs) - 1), status=status)
+
+
+def test_the_target_is_the_first_recipes_final_value_or_the_one_given():
+    outcomes = [outcome("adamw", [8.0, 5.0, 4.0, 3.0]), outcome("muon", [8.0, 4.0, 2.9, 2.5]),
+                outcome("slow", [8.0, 6.0, 5.0, 4.0])]
+    table = quality_report.rows(outcomes, settings())
+    assert [r["target_bpb"] for r in table] == [3.0] * 3
+    assert [(r["reached"], r["time_to_target_s"], r["tokens_to_target"]) for r in table] == [
+        (True, 30.0, 15 * 128), (True, 20.0, 10 * 128), (False, None, None)]
+    assert [r["speedup"] for r in table] == [1.0, 1.5, None]
+    assert [r["final_bpb"] for r in table] == [3.0, 2.5, 4.0]
+    assert table[0]["ms_per_step"] == pytest.approx(2000.0) and table[0]["tokens_per_s"] == pytest.approx(64.0)
+    assert quality_report.verdicts(table) == [
+        "tiny adamw: reached 3.0000 bpb after 30.0 s, 1,920 tokens, step 15",
+        "tiny muon: reached 3.0000 bpb after 20.0 s, 1,280 tokens, step 10 (1.50x the speed of adamw)",
+        "tiny slow: never reached 3.0000 bpb in 30 s of training (final 4.0000 bpb)"]
+    given = quality_report.rows(outcomes, settings(target_bpb=4.5))
+    assert [r["time_to_target_s"] for r in given] == [20.0, 10.0, 30.0]
+    assert quality_report.targets(outcomes, settings(target_bpb=4.5)) == {"tiny": (4.5, "--target-bpb")}
+
+
+def test_a_diverged_first_recipe_still_gives_a_target_from_its_last_finite_evaluation():
+    outcomes = [outcome("adamw", [8.0, 5.0, float("nan")], status="diverged"), outcome("muon", [8.0, 4.0, 3.0])]
+    goal = quality_report.targets(outcomes, settings())
+    assert goal == {"tiny": (5.0, "adamw's final value")}
+    table = quality_report.rows(outcomes, settings())
+    assert table[0]["status"] == "diverged" and table[1]["time_to_target_s"] == 10.0
+    assert quality_report.targets([Outcome("tiny", "adamw", None, [], status="OOM")], settings()) == {
+        "tiny": (None, "none: the first recipe has no evaluation")}
+
+
+def test_the_curves_plot_one_line_per_recipe_and_the_target(tmp_path):
+    outcomes = [outcome("adamw", [8.0, 5.0, 3.0]), outcome("muon", [8.0, 4.0, 2.5])]
+    curves = [p for o in outcomes for p in o.points]
+    path = quality_report.plot_curves(curves, {"tiny": (3.0, "adamw's final value")}, tmp_path / "curves.png")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    assert quality_report.plot_curves([], {}, tmp_path / "none.png") is None

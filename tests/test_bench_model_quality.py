@@ -1,0 +1,137 @@
+"""bench_model.py --mode time-to-quality on the CPU: two recipes train a tiny model for a few seconds each, evaluated
+every second with the clock stopped; the report, the curves, the computed target and what a stop keeps."""
+
+import csv
+import json
+import math
+import re
+
+import pytest
+
+import bench_model
+from benchmarking import quality
+from benchmarking.quality_report import COLUMNS, CURVE_COLUMNS
+
+TINY = ["--mode", "time-to-quality", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64",
+        "--context-lengths", "32", "--batch-size", "4", "--eval-batches", "2", "--device", "cpu"]
+BUDGET_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, text_file):
+    out = tmp_path_factory.mktemp("ttq")
+    rows = bench_model.main([*TINY, "--recipes", "adamw,muon", "--data", str(text_file), "--minutes",
+                             str(BUDGET_S / 60), "--eval-interval-s", "1", "--out", str(out)])
+    return rows, out
+
+
+def read_csv(path):
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_each_recipe_trains_for_the_budget_with_evaluations_every_interval(compared):
+    rows, out = compared
+    assert [(r["recipe"], r["optimizer"], r["status"]) for r in rows] == [("adamw", "adamw", "ok"),
+                                                                         ("muon", "muon", "ok")]
+    curves = read_csv(out / "curves.csv")
+    assert list(curves[0]) == list(CURVE_COLUMNS)
+    for r in rows:
+        points = [c for c in curves if c["recipe"] == r["recipe"]]
+        clocks = [float(c["clock_s"]) for c in points]
+        assert clocks[0] == 0.0 and clocks == sorted(clocks) and len(points) == r["evals"] >= 3
+        assert BUDGET_S <= r["train_s"] == clocks[-1] < BUDGET_S + 5  # the last evaluation ends the budget
+        assert [int(c["tokens"]) for c in points][-1] == r["tokens"] == r["steps"] * 4 * 32
+        assert all(0 < float(c["val_bpb"]) < 9 for c in points)
+        assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None  # the CPU: no peak FLOPs
+        assert float(points[-1]["val_bpb"]) == r["final_bpb"] < float(points[0]["val_bpb"])  # it learned
+
+
+def test_the_target_is_the_first_recipes_final_value_and_each_says_when_it_got_there(compared):
+    rows, out = compared
+    adamw, muon = rows
+    assert adamw["target_bpb"] == muon["target_bpb"] == adamw["final_bpb"]
+    assert adamw["reached"] and adamw["speedup"] == 1.0
+    curves = [c for c in read_csv(out / "curves.csv") if c["recipe"] == "adamw"]
+    first = next(c for c in curves if float(c["val_bpb"]) <= adamw["target_bpb"])
+    assert (adamw["time_to_target_s"], adamw["tokens_to_target"]) == (float(first["clock_s"]), int(first["tokens"]))
+    md = (out / "results.md").read_text()
+    assert md.startswith("# Time to quality\n\n`python bench_model.py --mode time-to-quality")
+    assert f"Target: custom: {adamw['target_bpb']:.4f} bpb (adamw's final value)." in md
+    assert f"- custom adamw: reached {adamw['target_bpb']:.4f} bpb after {adamw['time_to_target_s']:.1f} s" in md
+    if muon["reached"]:
+        assert f"- custom muon: reached {adamw['target_bpb']:.4f} bpb after" in md
+    else:
+        assert f"- custom muon: never reached {adamw['target_bpb']:.4f} bpb in" in md
+    assert "![validation bits per byte against seconds of training](curves.png)" in md and "## Environment" in md
+
+
+def test_the_files_hold_the_rows_the_curves_and_each_recipes_configuration(compared):
+    rows, out = compared
+    table = read_csv(out / "results.csv")
+    assert list(table[0]) == list(COLUMNS) and [t["recipe"] for t in table] == ["adamw", "muon"]
+    assert float(table[1]["target_bpb"]) == rows[0]["final_bpb"]
+    payload = json.loads((out / "results.json").read_text())
+    assert [r["recipe"] for r in payload["rows"]] == ["adamw", "muon"]
+    assert len(payload["curves"]) == sum(r["evals"] for r in rows)
+    resolved = payload["config"]["resolved"]
+    assert resolved["custom muon"]["optim"]["optimizer"] == "muon" and not resolved["custom muon"]["execution"][
+        "cuda_graph"]
+    assert resolved["custom adamw"]["model"] == {**resolved["custom muon"]["model"]}  # the same model
+    assert resolved["custom adamw"]["model"]["vocab_size"] == 256  # the data's
+    assert payload["config"]["budget_s"] == BUDGET_S and payload["config"]["interval_s"] == 1.0
+    png = (out / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_a_stop_keeps_what_was_measured(tmp_path, text_file, monkeypatch):
+    """SIGTERM or Ctrl-C during the second recipe: exit 130, the first recipe's row whole, the second's evaluations
+    so far, the files written."""
+    real, calls = quality.RecipeRun.train_step, {"muon": 0}
+
+    def stopping(self, clock_s, budget_s):
+        if self.label == "muon":
+            calls["muon"] += 1
+            if calls["muon"] == 2:  # the first step always runs: the budget (4 s) is not spent before it
+                raise KeyboardInterrupt("signal SIGTERM")
+        return real(self, clock_s, budget_s)
+
+    monkeypatch.setattr(quality.RecipeRun, "train_step", stopping)
+    with pytest.raises(SystemExit) as e:
+        bench_model.main([*TINY, "--recipes", "adamw,muon", "--data", str(text_file), "--minutes", str(4 / 60),
+                          "--eval-interval-s", "1", "--out", str(tmp_path)])
+    assert e.value.code == 130
+    table = read_csv(tmp_path / "results.csv")
+    assert [(t["recipe"], t["status"]) for t in table] == [("adamw", "ok"), ("muon", "interrupted")]
+    assert table[1]["message"].startswith("stopped after") and int(table[1]["steps"]) == 1
+    curves = read_csv(tmp_path / "curves.csv")
+    muon = [c["step"] for c in curves if c["recipe"] == "muon"]  # its evaluations before the stop
+    assert muon[0] == "0" and set(muon) <= {"0", "1"}
+    assert len([c for c in curves if c["recipe"] == "adamw"]) == int(table[0]["evals"]) >= 3
+    assert re.search(r"\n- custom muon: .* \[interrupted: stopped after .* s of 4\]\n",
+                     (tmp_path / "results.md").read_text())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "time-to-quality,train-step"], "--mode time-to-quality runs alone (got time-to-quality,train-step)"),
+    (["--optimizer", "muon"], "--optimizer does not apply to --mode time-to-quality: each recipe names its optimizer"),
+    (["--recipes", "lion"], "--recipes: 'lion' is neither a recipe (adamw, muon) nor a JSON file"),
+    (["--attn", "naive,sdpa"], "--attn: --mode time-to-quality compares recipes on one configuration; give one value"),
+    (["--minutes", "0"], "--minutes must be > 0, got 0"),
+    (["--eval-interval-s", "-1"], "--eval-interval-s must be > 0, got -1"),
+    (["--cuda-graph", "on"], "recipe adamw: --cuda-graph: CUDA graphs need a GPU"),
+])
+def test_bad_flags_are_one_line(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        bench_model.main([*TINY, "--out", str(tmp_path), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {message}\n"
+
+
+def test_a_target_never_reached_is_said(tmp_path, text_file):
+    rows = bench_model.main([*TINY, "--recipes", "adamw", "--data", str(text_file), "--minutes", str(1 / 60),
+                             "--eval-interval-s", "1", "--target-bpb", "0.5", "--out", str(tmp_path)])
+    assert rows[0]["target_bpb"] == 0.5 and rows[0]["reached"] is False and rows[0]["time_to_target_s"] is None
+    assert math.isfinite(rows[0]["final_bpb"])
+    assert "- custom adamw: never reached 0.5000 bpb in" in (tmp_path / "results.md").read_text()
