@@ -67,7 +67,7 @@ def test_kernel_reads_strided_queries_and_an_int_length():
 
 def test_chunks_are_whole_tiles_and_cover_the_visible_keys():
     q = torch.zeros(1, 1, 1, 8)
-    lo, hi = chunk_bounds(torch.tensor([1000]), q, 3)
+    lo, hi = chunk_bounds(torch.tensor([1000]), q, 1, 3)
     assert lo.flatten().tolist() == [0, 384, 768] and hi.flatten().tolist() == [384, 768, 1000]
-    lo, hi = chunk_bounds(torch.tensor([1]), q, 3)  # chunks past the end are empty
+    lo, hi = chunk_bounds(torch.tensor([1]), q, 1, 3)  # chunks past the end are empty
     assert (hi - lo).clamp(min=0).flatten().tolist() == [1, 0, 0]
