@@ -232,7 +232,7 @@ def build_parser() -> OneLineParser:
                         "against a KV cache of each --seq-lens length (default 1024..131072), through each backend's "
                         "decode path (default flash,sdpa,flex); time, GB/s of K and V read, and that over the "
                         "measured copy bandwidth. --kv-heads gives the cache fewer heads (GQA), --window reads only "
-                        "its last positions")
+                        "its last positions, --graph-timing adds the time replayed from a CUDA graph")
     return p
 
 
@@ -702,9 +702,10 @@ def decode_points(args: argparse.Namespace, cfg: Config, environment: dict[str, 
     rows = []
     for dtype in cfg.dtypes:
         rows += attention_decode_rows(backends, args.decode, cfg.heads, cache_lens, cfg.d_heads, DTYPES[dtype],
-                                      torch.device(cfg.device), cfg.kv_heads, cfg.window)
+                                      torch.device(cfg.device), cfg.kv_heads, cfg.window, cfg.graph_timing)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    table = report.markdown_table(rows, DECODE_COLUMNS, {"ms": ".4f", "gbs": ".0f", "copy_fraction": ".0%"})
+    table = report.markdown_table(rows, DECODE_COLUMNS, {"ms": ".4f", "gbs": ".0f", "copy_fraction": ".0%",
+                                                          "graph_ms": ".4f", "graph_copy_fraction": ".0%"})
     report.write_markdown(cfg.out / "decode.md", "Decode attention", [f"`{cfg.command}`", table],
                           environment=environment)
     files = {"decode.csv": report.write_csv(rows, cfg.out / "decode.csv", DECODE_COLUMNS),

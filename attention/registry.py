@@ -278,6 +278,18 @@ def _call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             k.requires_grad, v.requires_grad, torch.is_grad_enabled(), causal, window, softcap)
 
 
+def _decode_signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
+                      window: Optional[int], softcap: Optional[float]) -> Optional[tuple]:
+    """_call_signature for a decode call, with cache_len: a tensor by shape, dtype and device (its values are the
+    caller's promise, never checked), an int by value (the checks bound it)."""
+    key = _call_signature(q, k_cache, v_cache, True, window, softcap)
+    if key is None:
+        return None
+    if type(cache_len) is torch.Tensor:
+        return key + (cache_len.shape, cache_len.dtype, cache_len.device)
+    return key + (cache_len,) if type(cache_len) is int else None
+
+
 def get_attention(name: str) -> AttentionFn:
     """The backend registered as `name`, wrapped with input validation."""
     if name not in _BACKENDS:
@@ -307,15 +319,23 @@ def get_attention(name: str) -> AttentionFn:
         return backend.fn(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
                           **variant.kwargs())
 
+    accepted_decode: set[tuple] = set()  # the signatures (_decode_signature) of decode calls the checks passed
+
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor, *,
                scale: Optional[float] = None, window: Optional[int] = None,
                softcap: Optional[float] = None) -> torch.Tensor:
-        reason = why_not_decode(name, q, k_cache, v_cache, cache_len, window=window, softcap=softcap)
-        if reason is not None:
-            raise UnsupportedInputError(f"attention backend {name!r} cannot decode this input: {reason}")
+        key = _decode_signature(q, k_cache, v_cache, cache_len, window, softcap)
+        if key is None or key not in accepted_decode:
+            reason = why_not_decode(name, q, k_cache, v_cache, cache_len, window=window, softcap=softcap)
+            if reason is not None:
+                raise UnsupportedInputError(f"attention backend {name!r} cannot decode this input: {reason}")
+            if key is not None:
+                if len(accepted_decode) >= _MAX_ACCEPTED:
+                    accepted_decode.clear()
+                accepted_decode.add(key)
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale,
-                                      **Variant(window, softcap).kwargs())
+        variant = {} if window is None and softcap is None else Variant(window, softcap).kwargs()
+        return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale, **variant)
 
     attention.decode = decode
     attention.__name__ = f"attention_{name}"

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from benchmarking.timing import TimingStats, summarize, synchronize, time_ms, time_stats_ms
+from benchmarking.timing import TimingStats, captured, summarize, synchronize, time_ms, time_stats_ms
 from model import ModelConfig, TransformerLM
 from model.generation import Decoder, for_inference
 
@@ -143,12 +143,12 @@ def time_hf_decode(model: TransformerLM, batch: int, cache_len: int, steps: int 
 
 def time_attention_decode(name: str, batch: int, heads: int, cache_len: int, d_head: int, dtype: torch.dtype,
                           device: torch.device, kv_heads: Optional[int] = None,
-                          window: Optional[int] = None) -> tuple[float, float]:
-    """(ms, bytes/s reading K and V) of one query per sequence and head against a full cache of `cache_len` with
-    `kv_heads` heads (GQA; default `heads`), through the registry's decode path of backend `name`. With a window,
-    only its last `window` positions are counted (what a backend that skips the rest reads: flash; the masking ones,
-    naive and sdpa, read the whole cache)."""
-    from attention import get_attention
+                          window: Optional[int] = None, graph: bool = False) -> tuple[float, float, Optional[float]]:
+    """(ms, bytes/s reading K and V, ms replayed from a CUDA graph with `graph`, else None) of one query per
+    sequence and head against a full cache of `cache_len` with `kv_heads` heads (GQA; default `heads`), through the
+    registry's decode path of backend `name`. With a window, only its last `window` positions are counted (what a
+    backend that skips the rest reads: flash; the masking ones, naive and sdpa, read the whole cache)."""
+    from attention import get_attention, graph_replay
 
     gen = torch.Generator(device).manual_seed(0)
     q = torch.randn(batch, heads, 1, d_head, device=device, dtype=dtype, generator=gen)
@@ -157,9 +157,16 @@ def time_attention_decode(name: str, batch: int, heads: int, cache_len: int, d_h
     cache_len_t = torch.full((batch,), cache_len, device=device)
     decode = get_attention(name).decode
     variant = {} if window is None else {"window": window}
-    ms = time_ms(lambda: decode(q, k, v, cache_len_t, **variant), device).median_ms
+    def step() -> torch.Tensor:
+        return decode(q, k, v, cache_len_t, **variant)
+
+    ms = time_ms(step, device).median_ms
+    graph_ms = None
+    if graph:
+        with graph_replay():
+            graph_ms = time_ms(captured(step, device), device).median_ms
     read = (k.nbytes + v.nbytes) * min(cache_len, window or cache_len) // cache_len
-    return ms, read / (ms * 1e-3)
+    return ms, read / (ms * 1e-3), graph_ms
 
 
 def sampling_figures(mode: str, impl: str, cfg: ModelConfig, batch: int, cache_len: int, dtype: torch.dtype,
@@ -180,15 +187,16 @@ def sampling_figures(mode: str, impl: str, cfg: ModelConfig, batch: int, cache_l
 
 
 DECODE_COLUMNS = ["backend", "batch", "heads", "kv_heads", "cache_len", "window", "d_head", "dtype", "status", "ms",
-                  "gbs", "copy_fraction", "note"]
+                  "gbs", "copy_fraction", "graph_ms", "graph_copy_fraction", "note"]
 
 
 def attention_decode_rows(backends: list[str], batches: list[int], heads: int, cache_lens: list[int],
                           d_heads: list[int], dtype: torch.dtype, device: torch.device, kv_heads: Optional[int] = None,
-                          window: Optional[int] = None) -> list[dict]:
+                          window: Optional[int] = None, graph_timing: bool = False) -> list[dict]:
     """bench_attention.py --decode: one row per (backend, batch, cache length, d_head): the decode call's time, the
     GB/s it reads K and V at, and that over the copy bandwidth; a backend that cannot run a point says why.
-    kv_heads: the cache's heads (GQA); window: each query reads only the last `window` positions."""
+    kv_heads: the cache's heads (GQA); window: each query reads only the last `window` positions; graph_timing:
+    also the time replayed from a CUDA graph (no host time) and its GB/s over the copy bandwidth."""
     from attention import why_not_decode
     from benchmarking.oom import call_catching_oom, free_memory
 
@@ -204,7 +212,7 @@ def attention_decode_rows(backends: list[str], batches: list[int], heads: int, c
                     row = {"backend": name, "batch": batch, "heads": heads, "kv_heads": kv_heads or heads,
                            "cache_len": cache_len, "window": window, "d_head": d,
                            "dtype": str(dtype).removeprefix("torch."), "status": "ok", "ms": None, "gbs": None,
-                           "copy_fraction": None, "note": None}
+                           "copy_fraction": None, "graph_ms": None, "graph_copy_fraction": None, "note": None}
                     reason = why_not_decode(name, q, k, k, cache_len, window=window)
                     if reason is not None:
                         row.update(status="unsupported", note=reason)
@@ -212,16 +220,19 @@ def attention_decode_rows(backends: list[str], batches: list[int], heads: int, c
                         continue
                     try:
                         outcome = call_catching_oom(lambda: time_attention_decode(
-                            name, batch, heads, cache_len, d, dtype, device, kv_heads, window), label=name)
+                            name, batch, heads, cache_len, d, dtype, device, kv_heads, window, graph_timing),
+                            label=name)
                     except Exception as e:  # noqa: BLE001 - one failing backend must not end the sweep
                         row.update(status="error", note=f"{type(e).__name__}: {e}".splitlines()[0][:200])
                     else:
                         if outcome.oom:
                             row.update(status="OOM", note=outcome.message)
                         else:
-                            ms, bandwidth = outcome.value
+                            ms, bandwidth, graph_ms = outcome.value
                             row.update(ms=ms, gbs=bandwidth / 1e9,
-                                       copy_fraction=None if copy is None else bandwidth / copy)
+                                       copy_fraction=None if copy is None else bandwidth / copy, graph_ms=graph_ms)
+                            if graph_ms is not None and copy is not None:
+                                row["graph_copy_fraction"] = bandwidth * ms / graph_ms / copy
                     free_memory()
                     rows.append(row)
     return rows

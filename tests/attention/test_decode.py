@@ -3,6 +3,7 @@ why_not_decode for the backends and inputs without one."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -112,3 +113,34 @@ def test_decode_paths_say_which_variants_they_lack():
         get_attention("naive").decode(q, k, v, cache_len, window=0)
     with pytest.raises(UnsupportedInputError, match="multiple of k's"):
         get_attention("naive").decode(randn(2, 3, 1, 16, seed=1), k, v, cache_len)
+
+
+def test_decode_checks_run_once_per_call_signature(monkeypatch):
+    """A decode signature the checks passed is not checked again (eager decode steps are bound by host time); a
+    changed shape, variant, cache_len dtype or int value is checked anew, and a refused input every time."""
+    from attention import registry
+
+    checked = []
+
+    def decode_check(q, k_cache, v_cache):
+        checked.append(tuple(q.shape))
+        return None
+
+    monkeypatch.setitem(registry._BACKENDS, "naive", dataclasses.replace(
+        registry._BACKENDS["naive"], decode_check=decode_check))
+    decode = get_attention("naive").decode
+    q, k, v, cache_len = inputs()
+    for _ in range(3):
+        decode(q, k, v, cache_len)
+    assert len(checked) == 1
+    changes = [dict(q=q[:1], k_cache=k[:1], v_cache=v[:1], cache_len=cache_len[:1]), dict(window=5), dict(softcap=2.0),
+               dict(cache_len=cache_len.int()), dict(cache_len=40), dict(cache_len=41)]
+    for n, change in enumerate(changes, start=2):
+        args = {"q": q, "k_cache": k, "v_cache": v, "cache_len": cache_len, **change}
+        for _ in range(2):
+            decode(args["q"], args["k_cache"], args["v_cache"], args["cache_len"],
+                   **{key: x for key, x in change.items() if key in ("window", "softcap")})
+        assert len(checked) == n, change
+    for _ in range(2):
+        with pytest.raises(UnsupportedInputError, match=r"cache_len must be in 1\.\.128"):
+            decode(q, k, v, 129)

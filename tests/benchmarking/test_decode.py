@@ -93,6 +93,18 @@ def test_bench_attention_decode_points_with_gqa_and_a_window(tmp_path):
     assert rows["flex"]["status"] == "unsupported"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_bench_attention_decode_points_replayed_from_a_graph(tmp_path):
+    import bench_attention
+
+    result = bench_attention.main(["--decode", "1", "--seq-lens", "4096", "--heads", "8", "--kv-heads", "2",
+                                   "--d-heads", "64", "--backends", "flash,sdpa", "--iters", "5", "--warmup", "1",
+                                   "--graph-timing", "--out", str(tmp_path)])
+    for row in result.rows:
+        assert row["status"] == "ok" and 0 < row["graph_ms"] and 0 < row["graph_copy_fraction"], row
+        assert row["graph_copy_fraction"] == pytest.approx(row["copy_fraction"] * row["ms"] / row["graph_ms"])
+
+
 def test_cache_bytes_count_the_key_value_heads_and_the_windows():
     cfg = dataclasses.replace(CFG, n_kv_heads=2, window=4, window_pattern="LG")
     d_head = cfg.d_model // cfg.n_heads

@@ -1,24 +1,24 @@
 """flash's decode attention: split-KV (flash-decoding), in PyTorch (the readable spec) and in Triton.
 
-Decoding asks one query per sequence and head (q (..., heads, 1, d_head)) to read a long key/value cache: the work
-is reading the cache, and at batch 1 there are only `heads` rows to spread over the GPU. So each row's visible keys
-are split along their length into `num_splits` chunks; each chunk computes a partial softmax (its output already
-normalised, and the log-sum-exp of its scores), and the chunks are combined:
+Decoding asks a few queries per sequence and head (q (..., heads, n_new, d_head)) to read a long key/value cache: the
+work is reading the cache. Every cache head is read once for all the query rows that attend to it (the heads of its
+GQA group times the n_new new tokens), and at small batch there are few such blocks of rows to spread over the GPU,
+so the keys a block sees are split along their length into `num_splits` chunks. Each chunk computes every row's
+partial softmax (its output already normalised, and the log-sum-exp of its scores), and the chunks are combined per
+row:
 
     lse_c = log sum_{i in c} exp(s_i),   o_c = sum_{i in c} exp(s_i - lse_c) v_i
     o = sum_c exp(lse_c - lse) o_c,      lse = log sum_c exp(lse_c)
 
-Chunks are sized from each row's own visible length (rounded up to whole key tiles), so a short row in a batch of
-long ones does no wasted reads; a chunk that starts past its row's end is empty and weighs nothing. With a window the
-chunks cover only the row's last `window` keys. The inputs, the meaning of cache_len and the variants (GQA, window,
-softcap) are those of attention/decode.py; the Triton kernel reads each cache head in place for its group of query
-heads.
+A block's keys run from the first any of its rows sees to the last; chunks are sized from that span (rounded up to
+whole key tiles), so a short sequence in a batch of long ones does no wasted reads, and a chunk a row sees nothing
+of weighs nothing for it. With a window the span covers only the rows' last `window` keys. The inputs, the meaning
+of cache_len and the variants (GQA, window, softcap) are those of attention/decode.py.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Optional
 
@@ -36,7 +36,8 @@ except ImportError:  # the flash backend reports it through its environment chec
 BLOCK_N = 128  # keys per tile, in both versions
 MAX_SPLITS = 128  # the combine kernel holds all of a row's chunks at once
 MIN_CHUNK = 256  # keys per chunk below which another split costs more (partials, combine) than it spreads
-
+MAX_BLOCK_M = 64  # query rows per program; a larger group of rows is split into blocks that each read the cache
+PROGRAMS_PER_SM = 4
 
 MIN_HEAD_DIM = 16  # the dots' smallest dimension
 MAX_HEAD_DIM = 256  # a (BLOCK_N, d_head) tile of K and of V stays in registers
@@ -47,45 +48,64 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def default_num_splits(rows: int, max_len: int, device: torch.device) -> int:
-    """Chunks per row: enough programs for about four per SM, with chunks of at least MIN_CHUNK keys.
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(blocks: int, keys: int, device: torch.device) -> int:
+    """Chunks per block of query rows: about PROGRAMS_PER_SM programs per SM over all `blocks`, with chunks of at
+    least MIN_CHUNK of the `keys` a block can see.
 
     Depends only on shapes (the cache's capacity, not its filled length), so a captured decode step keeps it.
     """
     if device.type != "cuda":
-        return max(1, min(4, max_len // MIN_CHUNK))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, math.ceil(4 * sms / rows), max_len // MIN_CHUNK))
+        return max(1, min(4, keys // MIN_CHUNK))
+    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * _sm_count(device) // blocks), keys // MIN_CHUNK))
 
 
-def chunk_bounds(cache_len: CacheLen, q: torch.Tensor, num_splits: int,
-                 window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lo, hi): the key range [lo, hi) of every (row, chunk), shaped (..., n_new, num_splits)."""
+def row_ranges(cache_len: CacheLen, q: torch.Tensor,
+               window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, visible): each query row sees the keys [first, visible), both shaped (..., heads, n_new)."""
     n_new = q.shape[-2]
-    n_visible = lengths(cache_len, q)[..., None] - n_new + 1 + torch.arange(n_new, device=q.device)
-    first = (n_visible - window).clamp(min=0) if window is not None else torch.zeros_like(n_visible)
-    chunk = (n_visible - first + num_splits - 1) // num_splits
+    visible = lengths(cache_len, q)[..., None] - n_new + 1 + torch.arange(n_new, device=q.device)
+    first = (visible - window).clamp(min=0) if window is not None else torch.zeros_like(visible)
+    return first, visible
+
+
+def chunk_bounds(cache_len: CacheLen, q: torch.Tensor, kv_heads: int, num_splits: int,
+                 window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi): the key range [lo, hi) of every (cache head, chunk), shaped (..., kv_heads, num_splits): the
+    span of keys the rows of its group see, in chunks of whole tiles."""
+    first, visible = row_ranges(cache_len, q, window)
+    by_group = first.shape[:-2] + (kv_heads, -1)  # (..., kv_heads, group * n_new)
+    lo_all, hi_all = first.reshape(by_group).amin(-1), visible.reshape(by_group).amax(-1)
+    chunk = (hi_all - lo_all + num_splits - 1) // num_splits
     chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = first[..., None] + chunk[..., None] * torch.arange(num_splits, device=q.device)
-    return lo, torch.minimum(lo + chunk[..., None], n_visible[..., None])
+    lo = lo_all[..., None] + chunk[..., None] * torch.arange(num_splits, device=q.device)
+    return lo, torch.minimum(lo + chunk[..., None], hi_all[..., None])
 
 
 def decode_split_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
                        scale: float, num_splits: int = 4, window: Optional[int] = None,
                        softcap: Optional[float] = None) -> torch.Tensor:
-    """Split-KV decode attention in plain PyTorch, chunk by chunk: what the Triton kernels compute."""
+    """Split-KV decode attention in plain PyTorch, chunk by chunk: what the Triton kernels compute (they further
+    divide a group of more than MAX_BLOCK_M rows into blocks, each chunked alike)."""
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    max_len = k_cache.shape[-2]
+    max_len, group = k_cache.shape[-2], q.shape[-3] // k_cache.shape[-3]
+    lo, hi = (t.repeat_interleave(group, dim=-2)[..., None, :]  # (..., heads, 1, num_splits)
+              for t in chunk_bounds(cache_len, q, k_cache.shape[-3], num_splits, window))
+    first, visible = row_ranges(cache_len, q, window)
     k_cache, v_cache = repeat_kv(k_cache, q), repeat_kv(v_cache, q)
     scores = torch.matmul(q.to(acc_dtype), k_cache.to(acc_dtype).transpose(-2, -1)) * scale  # (..., n_new, max_len)
     scores = capped(scores, softcap)
-    lo, hi = chunk_bounds(cache_len, q, num_splits, window)
     pos = torch.arange(max_len, device=q.device)
+    seen = (pos >= first[..., None]) & (pos < visible[..., None])  # (..., n_new, max_len)
     partial_o, partial_lse = [], []
     for c in range(num_splits):
-        in_chunk = (pos >= lo[..., c, None]) & (pos < hi[..., c, None])  # (..., n_new, max_len)
+        in_chunk = seen & (pos >= lo[..., c, None]) & (pos < hi[..., c, None])
         s = scores.masked_fill(~in_chunk, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)  # -inf for an empty chunk
+        lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees none of the chunk
         p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # 0 outside the chunk
         partial_o.append(torch.matmul(p, v_cache.to(acc_dtype)))
         partial_lse.append(lse)
@@ -110,41 +130,63 @@ def _kernels():
     return kernels
 
 
+@functools.cache
+def _launch_options() -> tuple[dict, dict]:
+    """The partial and combine kernels' launch options. 128-key tiles, 4 warps and 3 stages read the cache fastest
+    of those tried (docs/flash.md, Decode). The interpreter takes none."""
+    if _interpreting():
+        return {}, {}
+    return {"num_warps": 4, "num_stages": 3}, {"num_warps": 4}
+
+
+def _length_args(cache_len: CacheLen, q: torch.Tensor, q4: torch.Tensor) -> tuple:
+    """The kernel's (LENS, stride_lb, stride_lh, fixed_len, LENS_TENSOR): a tensor of lengths read in place as
+    (batch, heads) (a broadcast view; a copy only for leading dims that cannot merge), or an int passed as is (no
+    host-to-device copy)."""
+    if isinstance(cache_len, torch.Tensor):
+        lens = lengths(cache_len, q).reshape(q4.shape[:2])
+        return lens, lens.stride(0), lens.stride(1), 0, True
+    return q4, 0, 0, int(cache_len), False
+
+
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
                   scale: float, num_splits: Optional[int] = None, window: Optional[int] = None,
                   softcap: Optional[float] = None) -> torch.Tensor:
-    """Split-KV decode attention with the Triton kernels; on the GPU, or on the CPU under TRITON_INTERPRET=1."""
+    """Split-KV decode attention with the Triton kernels; on the GPU, or on the CPU under TRITON_INTERPRET=1.
+    Eager decode steps are short, so this does no more on the host than the launches need."""
     q4, k4, v4 = as_bhsd(q), as_bhsd(k_cache), as_bhsd(v_cache)
     batch, heads, n_new, d = q4.shape
-    rows = batch * heads * n_new
+    kv_heads, max_len = k4.shape[1], k4.shape[2]
+    group = heads // kv_heads
+    block_m = max(16, min(MAX_BLOCK_M, triton.next_power_of_2(group * n_new)))  # >= 16: tensor-core dots
+    row_blocks = triton.cdiv(group * n_new, block_m)
     if num_splits is None:
-        num_splits = default_num_splits(rows, k4.shape[-2], q.device)
-    if not 1 <= num_splits <= MAX_SPLITS:
+        keys = max_len if window is None else min(max_len, window + n_new - 1)
+        num_splits = default_num_splits(batch * kv_heads * row_blocks, keys, q.device)
+    elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    lens = lengths(cache_len, q).reshape(batch, heads).contiguous()  # one int per (sequence, head)
+    lens, stride_lb, stride_lh, fixed_len, lens_tensor = _length_args(cache_len, q, q4)
+    rows = batch * heads * n_new
+    lse_offset = rows * num_splits * d
+    part = torch.empty(lse_offset + rows * num_splits, dtype=torch.float32, device=q.device)  # outputs, then lse
     o = torch.empty_like(q4)
-    partial_o = torch.empty(rows, num_splits, d, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(rows, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
-    kernels = _kernels()
-    # 128-key tiles, 4 warps and 3 stages read the cache fastest of those tried (docs/flash.md, Decode). The
-    # interpreter takes no launch options.
-    options = {} if _interpreting() else {"num_warps": 4, "num_stages": 3}
     # Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the plain scale is not applied.
-    log2e = math.log2(math.e)
+    log2e = 1.4426950408889634
     qk_scale, cap_scale, cap_log2e = (scale * log2e, 0.0, 0.0) if softcap is None else (
         1.0, scale / softcap, softcap * log2e)
+    kernels = _kernels()
+    partial_options, combine_options = _launch_options()
     with on_device_of(q):
-        kernels.decode_partial_kernel[(rows, num_splits)](
-            q4, k4, v4, lens, partial_o, partial_lse,
-            *q4.stride(), *k4.stride(), *v4.stride(),
-            heads, n_new, d, qk_scale, heads // k4.shape[1], window or 0, cap_scale, cap_log2e,
-            NUM_SPLITS=num_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-            WINDOW=window is not None, SOFTCAP=softcap is not None, **options)
+        kernels.decode_partial_kernel[(batch * kv_heads, num_splits, row_blocks)](
+            q4, k4, v4, lens, part, *q4.stride(), *k4.stride(), *v4.stride(),
+            stride_lb, stride_lh, fixed_len, lse_offset, kv_heads, n_new, d, qk_scale, window or 0, cap_scale,
+            cap_log2e, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+            IEEE=q.dtype == torch.float32, LENS_TENSOR=lens_tensor, WINDOW=window is not None,
+            SOFTCAP=softcap is not None, **partial_options)
         kernels.decode_combine_kernel[(rows,)](
-            partial_o, partial_lse, o, *o.stride(), heads, n_new, d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            **({} if _interpreting() else {"num_warps": 4}))
+            part, o, *o.stride(), lse_offset, heads, n_new, d,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **combine_options)
     return o.reshape(q.shape)
 
 

@@ -1,5 +1,6 @@
 """flash's split-KV decode: the Triton kernels (in the interpreter without a GPU) and their PyTorch spec against
-a float64 masked softmax, over cache lengths and split counts that do and do not divide them."""
+a float64 masked softmax, over GQA groups, cache lengths, batch sizes, per-row lengths, windows, softcaps and split
+counts that do and do not divide the lengths."""
 
 from __future__ import annotations
 
@@ -8,66 +9,160 @@ import math
 import pytest
 import torch
 
+from attention.flash.decode import host
 from attention.flash.decode.host import chunk_bounds, decode_reference_f64, decode_split_torch, decode_triton
-from tests.attention.conftest import DEVICE, randn
+from tests.attention.conftest import DEVICE, dtype_id, randn
 
-# (cache length, split counts): one that divides the length and one that does not (empty chunks included).
-CASES = [(1, (1, 3)), (17, (1, 2)), (1000, (4, 3)), (4097, (17, 8))]
-
-
-def inputs(length: int, n_new: int = 1, dtype=torch.float32, heads: int = 2, d: int = 32):
-    """A cache of length + 5 positions (the tail never read), two sequences: one full, one at a third."""
-    q = randn(2, heads, n_new, d, dtype=dtype, seed=1)
-    k = randn(2, heads, length + 5, d, dtype=dtype, seed=2)
-    v = randn(2, heads, length + 5, d, dtype=dtype, seed=3)
-    # Poison the unread tail: a read past cache_len would show.
-    k[..., length:, :] = float("nan")
-    v[..., length:, :] = float("nan")
-    cache_len = torch.tensor([length, max(n_new, length // 3)], device=DEVICE)
-    return q, k, v, cache_len
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("length,splits", CASES, ids=[f"len{n}" for n, _ in CASES])
-def test_kernel_matches_float64(length, splits):
-    q, k, v, cache_len = inputs(length)
-    scale = 1 / math.sqrt(q.shape[-1])
-    ref = decode_reference_f64(q, k.nan_to_num(), v.nan_to_num(), cache_len, scale)
-    for num_splits in splits:
-        o = decode_triton(q, k, v, cache_len, scale, num_splits=num_splits)
-        assert o.shape == q.shape and o.dtype == q.dtype
-        torch.testing.assert_close(o.double(), ref, atol=2e-6, rtol=1e-5, msg=f"{num_splits} splits")
+def inputs(batch: int, group: int, length: int, n_new: int = 1, dtype=torch.float32, kv_heads: int = 1,
+           d: int = 32, per_head: bool = False, seed: int = 0):
+    """q (batch, kv_heads * group, n_new, d) and a cache of length + 5 positions; the first sequence is full, the
+    others get random lengths in n_new..length (per head too with per_head). Every position at or past a row's
+    length holds NaN: a read of one would show."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    q = randn(batch, heads, n_new, d, dtype=dtype, seed=seed + 1)
+    k = randn(batch, kv_heads, length + 5, d, dtype=dtype, seed=seed + 2)
+    v = randn(batch, kv_heads, length + 5, d, dtype=dtype, seed=seed + 3)
+    cache_len = torch.randint(n_new, length + 1, (batch, heads) if per_head else (batch,), generator=g)
+    cache_len[0] = length
+    # A cache head's last position read is the longest length among its group's query heads.
+    longest = cache_len.reshape(batch, kv_heads, group).amax(-1) if per_head else cache_len[:, None]
+    tail = torch.arange(length + 5) >= longest[..., None]  # (batch, kv_heads or 1, positions)
+    k[tail.to(DEVICE)[..., None].expand_as(k)] = float("nan")
+    v[tail.to(DEVICE)[..., None].expand_as(v)] = float("nan")
+    return q, k, v, cache_len.to(DEVICE)
 
 
-@pytest.mark.parametrize("length,splits", CASES, ids=[f"len{n}" for n, _ in CASES])
-def test_pytorch_spec_matches_float64(length, splits):
-    q, k, v, cache_len = (t.double() if t.is_floating_point() else t for t in inputs(length))
-    ref = decode_reference_f64(q, k.nan_to_num(), v.nan_to_num(), cache_len, 0.2)
-    for num_splits in splits:
+def reference(q, k, v, cache_len, scale, window=None, softcap=None):
+    return decode_reference_f64(q, k.nan_to_num(), v.nan_to_num(), cache_len, scale, window, softcap)
+
+
+TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("length", [1, 17, 1000])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_kernel_matches_float64(group, length, dtype):
+    """Batch 1 and 2 (ragged lengths), the default split count and 3 (empty chunks where the length is short)."""
+    for batch in (1, 2):
+        q, k, v, cache_len = inputs(batch, group, length, dtype=dtype, seed=batch)
+        ref = reference(q, k, v, cache_len, 1 / math.sqrt(q.shape[-1]))
+        for num_splits in (None, 3):
+            o = decode_triton(q, k, v, cache_len, 1 / math.sqrt(q.shape[-1]), num_splits=num_splits)
+            assert o.shape == q.shape and o.dtype == q.dtype
+            torch.testing.assert_close(o.double(), ref, **TOLERANCE[dtype], msg=f"batch {batch}, {num_splits} splits")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", [1, 8])
+def test_kernel_batch_32(group):
+    q, k, v, cache_len = inputs(32, group, 300, kv_heads=2, d=16, seed=5)
+    o = decode_triton(q, k, v, cache_len, 0.25)
+    torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.25), **TOLERANCE[torch.float32])
+
+
+VARIANTS = [(None, None), (1, None), (33, None), (2000, None), (None, 5.0), (20, 2.0)]
+
+
+@pytest.mark.parametrize("window,softcap", VARIANTS, ids=[f"w{w}-c{c}" for w, c in VARIANTS])
+@pytest.mark.parametrize("n_new", [1, 3])
+def test_kernel_variants_with_lengths_per_head(window, softcap, n_new):
+    """Windows (of 1, cutting the rows, beyond the cache) and softcaps, with a length per (sequence, head): the rows
+    of one group then see different keys, so a chunk may hold none of a row's."""
+    q, k, v, cache_len = inputs(2, 4, 700, n_new=n_new, kv_heads=2, d=16, per_head=True, seed=7)
+    ref = reference(q, k, v, cache_len, 0.3, window, softcap)
+    for num_splits in (None, 5):
+        o = decode_triton(q, k, v, cache_len, 0.3, num_splits=num_splits, window=window, softcap=softcap)
+        torch.testing.assert_close(o.double(), ref, **TOLERANCE[torch.float32], msg=f"{num_splits} splits")
+
+
+def test_kernel_many_rows_per_group():
+    """A group times n_new above MAX_BLOCK_M rows: several row blocks read the same cache head."""
+    q, k, v, cache_len = inputs(1, 8, 200, n_new=host.MAX_BLOCK_M // 8 + 3, d=16, seed=9)
+    o = decode_triton(q, k, v, cache_len, 0.25, window=150)
+    torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.25, 150), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window,softcap", VARIANTS, ids=[f"w{w}-c{c}" for w, c in VARIANTS])
+@pytest.mark.parametrize("group", [1, 4])
+def test_pytorch_spec_matches_float64(group, window, softcap):
+    q, k, v, cache_len = (t.double() if t.is_floating_point() else t
+                          for t in inputs(2, group, 1000, n_new=2, kv_heads=2, d=16, per_head=True, seed=3))
+    ref = reference(q, k, v, cache_len, 0.2, window, softcap)
+    for num_splits in (1, 3, 17):
         # The spec computes every score (0 * NaN would spread), so it gets the tail zeroed.
-        o = decode_split_torch(q, k.nan_to_num(), v.nan_to_num(), cache_len, 0.2, num_splits=num_splits)
+        o = decode_split_torch(q, k.nan_to_num(), v.nan_to_num(), cache_len, 0.2, num_splits, window, softcap)
         torch.testing.assert_close(o, ref, atol=1e-12, rtol=1e-12)
 
 
-def test_kernel_fp16_and_several_new_queries():
-    q, k, v, cache_len = inputs(300, n_new=3, dtype=torch.float16)
-    ref = decode_reference_f64(q, k.nan_to_num(), v.nan_to_num(), cache_len, 0.125)
+def test_kernel_fp16_several_new_queries():
+    q, k, v, cache_len = inputs(2, 2, 300, n_new=3, dtype=torch.float16, kv_heads=2, d=64, seed=11)
     o = decode_triton(q, k, v, cache_len, 0.125, num_splits=5)
     assert o.dtype == torch.float16
-    torch.testing.assert_close(o.double(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.125), **TOLERANCE[torch.float16])
 
 
 def test_kernel_reads_strided_queries_and_an_int_length():
     """q as the model passes it: a (batch, heads, n_new, d) view of (batch, n_new, heads, d) storage."""
-    q_bshd = randn(2, 1, 4, 32, seed=4)
-    q = q_bshd.transpose(1, 2)
-    _, k, v, _ = inputs(100, heads=4)
-    ref = decode_reference_f64(q, k.nan_to_num(), v.nan_to_num(), 100, 0.3)
+    q = randn(2, 1, 4, 32, seed=4).transpose(1, 2)
+    _, k, v, _ = inputs(2, 2, 100, kv_heads=2, seed=4)
+    k, v = k.nan_to_num(), v.nan_to_num()
+    ref = decode_reference_f64(q, k, v, 100, 0.3)
     torch.testing.assert_close(decode_triton(q, k, v, 100, 0.3, num_splits=3).double(), ref, atol=2e-6, rtol=1e-5)
 
 
-def test_chunks_are_whole_tiles_and_cover_the_visible_keys():
+def test_chunks_are_whole_tiles_and_cover_the_group():
     q = torch.zeros(1, 1, 1, 8)
-    lo, hi = chunk_bounds(torch.tensor([1000]), q, 3)
+    lo, hi = chunk_bounds(torch.tensor([1000]), q, 1, 3)
     assert lo.flatten().tolist() == [0, 384, 768] and hi.flatten().tolist() == [384, 768, 1000]
-    lo, hi = chunk_bounds(torch.tensor([1]), q, 3)  # chunks past the end are empty
+    lo, hi = chunk_bounds(torch.tensor([1]), q, 1, 3)  # chunks past the end are empty
     assert (hi - lo).clamp(min=0).flatten().tolist() == [1, 0, 0]
+    # Two cache heads of two query heads each, a length per head: a group spans its rows' keys.
+    lo, hi = chunk_bounds(torch.tensor([[100, 900, 300, 200]]), torch.zeros(1, 4, 1, 8), 2, 2, window=250)
+    assert lo.tolist() == [[[0, 512], [0, 256]]] and hi.tolist() == [[[512, 900], [256, 300]]]
+
+
+def test_split_count_depends_on_shapes_only(monkeypatch):
+    """About PROGRAMS_PER_SM programs per SM over all blocks of rows, chunks of at least MIN_CHUNK keys."""
+    monkeypatch.setattr(host, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert host.default_num_splits(8, 65536, cuda) == 66  # batch 1, 8 cache heads
+    assert host.default_num_splits(512, 2048, cuda) == 2  # batch 32, 16 cache heads
+    assert host.default_num_splits(4096, 65536, cuda) == 1
+    assert host.default_num_splits(1, 1 << 20, cuda) == host.MAX_SPLITS
+    assert host.default_num_splits(1, 300, cuda) == 1  # two chunks would be shorter than MIN_CHUNK
+
+
+GPU_SHAPES = [(1, 32, 8, 70000, 128), (4, 32, 8, 16384, 128), (32, 16, 16, 2048, 64), (32, 32, 32, 4096, 128)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch,heads,kv_heads,length,d", GPU_SHAPES, ids=[
+    f"B{b}-H{h}-KV{kv}-N{n}-D{d}" for b, h, kv, n, d in GPU_SHAPES])
+def test_kernel_bf16_on_gpu(batch, heads, kv_heads, length, d):
+    q, k, v, cache_len = inputs(batch, heads // kv_heads, length, dtype=torch.bfloat16, kv_heads=kv_heads, d=d,
+                                seed=13)
+    for window, softcap in ((None, None), (4096, 30.0)):
+        o = decode_triton(q, k, v, cache_len, 1 / math.sqrt(d), window=window, softcap=softcap)
+        ref = reference(q, k, v, cache_len, 1 / math.sqrt(d), window, softcap)
+        torch.testing.assert_close(o.double(), ref, **TOLERANCE[torch.bfloat16], msg=f"window {window}")
+
+
+@needs_cuda
+def test_a_captured_step_reads_the_lengths_it_is_given():
+    """Replayed from a CUDA graph, the kernels read cache_len's current values (the split count is shape-only)."""
+    q, k, v, cache_len = inputs(4, 4, 5000, dtype=torch.bfloat16, kv_heads=2, d=128, seed=17)
+    k, v = k.nan_to_num(), v.nan_to_num()
+    decode_triton(q, k, v, cache_len, 0.1)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = decode_triton(q, k, v, cache_len, 0.1)
+    for lengths in ([5000, 1, 2500, 4097], [17, 5000, 128, 129]):
+        cache_len.copy_(torch.tensor(lengths))
+        graph.replay()
+        torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.1), **TOLERANCE[torch.bfloat16])

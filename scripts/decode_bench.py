@@ -1,0 +1,126 @@
+"""flash's decode attention against SDPA's cuDNN, FlashAttention-2 and memory-efficient kernels, bf16, on a CUDA GPU.
+
+One query per sequence and head against a full KV cache, eager and replayed from a CUDA graph (GPU time without the
+host's launches), beside the copy bandwidth of a tensor the cache's size: a decode step reads the cache once, so
+flash's GB/s over the copy's is how near the memory bound it runs. SDPA gets the cache without a mask (it is full)
+and enable_gqa for GQA; a kernel that refuses a point shows "-".
+
+    python scripts/decode_bench.py                               # B1/B4/B32 x three head shapes x 2k/16k/64k
+    python scripts/decode_bench.py --batches 1,4 --caches 16384
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from attention import get_attention, graph_replay  # noqa: E402
+from benchmarking.timing import captured, time_ms  # noqa: E402
+
+HEAD_SHAPES = [(32, 8, 128), (32, 32, 128), (16, 16, 64)]  # (heads, kv heads, d_head)
+SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION,
+                "eff": SDPBackend.EFFICIENT_ATTENTION}
+ITERS, WARMUP = 50, 5
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def eager_and_graph_us(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """Median µs of fn called eagerly and of its replay from a CUDA graph."""
+    eager = time_ms(fn, device, iters=ITERS, warmup=WARMUP).median_ms
+    with graph_replay():
+        replay = captured(fn, device)
+    graph = time_ms(replay, device, iters=ITERS, warmup=WARMUP).median_ms
+    return eager * 1e3, graph * 1e3
+
+
+def copy_gbs(nbytes: int, device: torch.device) -> float:
+    """GB/s of a device-to-device copy of nbytes (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, iters=ITERS, warmup=WARMUP).median_ms
+    return 2 * src.nbytes / (ms * 1e-3) / 1e9
+
+
+def sdpa_call(kernel: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[Callable]:
+    """The SDPA call on one kernel, or None where that kernel refuses the input."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+
+    def run() -> torch.Tensor:
+        with sdpa_kernel([kernel]):
+            return F.scaled_dot_product_attention(q, k, v, **gqa)
+
+    try:
+        run()
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return None
+    return run
+
+
+def point(batch: int, heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> dict:
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(batch, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    cache_len = torch.full((batch,), cache, device=device)
+    decode = get_attention("flash").decode
+    row = {"flash": eager_and_graph_us(lambda: decode(q, k, v, cache_len), device)}
+    out = decode(q, k, v, cache_len)
+    row["maxdiff"] = None
+    for name, kernel in SDPA_KERNELS.items():
+        run = sdpa_call(kernel, q, k, v)
+        row[name] = None if run is None else eager_and_graph_us(run, device)
+        if run is not None and row["maxdiff"] is None:
+            row["maxdiff"] = (run().float() - out.float()).abs().max().item()
+    nbytes = k.nbytes + v.nbytes
+    row["flash_gbs"] = nbytes / (row["flash"][1] * 1e-6) / 1e9
+    row["copy_gbs"] = copy_gbs(nbytes, device)
+    return row
+
+
+def _us(pair: Optional[tuple[float, float]], i: int) -> str:
+    return "-" if pair is None else f"{pair[i]:.1f}"
+
+
+def _ratio(row: dict, i: int) -> str:
+    return "-" if row["cudnn"] is None else f"{row['cudnn'][i] / row['flash'][i]:.2f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=_ints, default=[1, 4, 32])
+    p.add_argument("--caches", type=_ints, default=[2048, 16384, 65536])
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; µs eager / µs graph-replayed; "
+          "ratio = cuDNN / flash; GB/s of K+V read by flash (graph) and by a copy of that size")
+    head = (f"{'B':>3} {'H':>3} {'KV':>3} {'D':>4} {'cache':>6} | {'flash':>13} | {'cudnn':>13} | {'fa2':>13} | "
+            f"{'eff':>13} | {'ratio e/g':>11} | {'flash GB/s':>10} {'copy GB/s':>9} {'frac':>5} | maxdiff")
+    print(head)
+    print("-" * len(head))
+    for batch in args.batches:
+        for heads, kv_heads, d in HEAD_SHAPES:
+            for cache in args.caches:
+                row = point(batch, heads, kv_heads, d, cache, device)
+                cells = [f"{_us(row[n], 0):>6}/{_us(row[n], 1):<6}" for n in ("flash", "cudnn", "fa2", "eff")]
+                diff = "-" if row["maxdiff"] is None else f"{row['maxdiff']:.1e}"
+                print(f"{batch:>3} {heads:>3} {kv_heads:>3} {d:>4} {cache:>6} | " + " | ".join(cells)
+                      + f" | {_ratio(row, 0):>5}/{_ratio(row, 1):<5} | {row['flash_gbs']:>10.0f} "
+                      f"{row['copy_gbs']:>9.0f} {row['flash_gbs'] / row['copy_gbs']:>5.0%} | {diff}", flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
