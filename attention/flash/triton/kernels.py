@@ -445,6 +445,10 @@ def _dkdv_q_loop(
             p_t = tl.where(keep, p_t, 0.0)
         elif CAUSAL_MASK:
             p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
+        elif ATOMIC_DQ:
+            # Keys past N_K (zeros) have s = 0, and exp2(-lse2) can overflow when every real score is very
+            # negative: harmless in their dK, dV rows (never stored), NaN in dQ, which sums over keys.
+            p_t = tl.where(offs_n[:, None] < N_K, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
