@@ -41,7 +41,7 @@ def test_matches_float64_reference(flash_case, dtype, check_flash):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_backward_is_bitwise_deterministic(dtype):
     q, k, v = (randn(1, 2, 100, 48, dtype=dtype, seed=s).requires_grad_() for s in range(3))
-    o = FlashAttention.apply(q, k, v, True)
+    o = FlashAttention.apply(q, k, v, True, None, None, None, None, True)  # deterministic=True
     do = randn(*o.shape, dtype=dtype, seed=3)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     second = torch.autograd.grad(o, (q, k, v), do)
