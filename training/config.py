@@ -62,7 +62,9 @@ class ExecutionConfig:
     parallel: str = option("none", "none: one process; ddp or fsdp under torchrun (--batch-size is then the global "
                                    "batch)", True, PARALLEL_MODES)
     dist_timeout: float = option(600.0, "seconds a collective waits for the other ranks before the run fails")
-    device: Optional[str] = option(None, "torch device; default cuda if available, else cpu", True)
+    deterministic: bool = option(False, "bitwise-reproducible backward (torch.use_deterministic_algorithms); default: "
+                                        "the faster atomic backward", True)
+    device: Optional[str] = option(None, "torch device; default cuda if available, else cpu")
 
 
 @dataclass(frozen=True)
