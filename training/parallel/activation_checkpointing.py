@@ -30,10 +30,13 @@ def _kept_ops() -> set[Any]:
 _KEPT = _kept_ops()
 
 
+_KEPT_CUSTOM = {"flash_lm::flash_attn_fwd"}  # the flash backend's attention, as an op (attention/flash/api.py)
+
+
 def keep_or_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The selective policy for one op of a block's forward: keep what a matmul or attention produced (and the
-    custom attention kernels' outputs), recompute the rest."""
-    kept = op in _KEPT or getattr(op, "namespace", None) == "flash_lm"
+    """The selective policy for one op of a block's forward: keep what a matmul or attention produced, recompute the
+    rest (the fused RoPE and SwiGLU kernels included: they are cheap)."""
+    kept = op in _KEPT or (isinstance(op, torch._ops.OpOverload) and op.name() in _KEPT_CUSTOM)
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
