@@ -60,7 +60,8 @@ def run_evaluation(args: argparse.Namespace) -> tuple[Evaluation, dict]:
     run = run_config_of(state)
     asked = run.replace(execution={"attn": args.attn or run.execution.attn, "dtype": args.dtype,
                                    "device": args.device, "compile": False, "cuda_graph": False, "parallel": "none",
-                                   "fp8": "off", "activation_checkpointing": False, "grad_accum_steps": 1},
+                                   "fp8": "off", "activation_checkpointing": False, "recompute": "full",
+                                   "grad_accum_steps": 1},
                         data={"batch_size": args.batch_size or run.data.batch_size, "pack_documents": False})
     config = resolve(asked, training=False, world_size=1).config
     device = torch.device(config.execution.device)

@@ -229,6 +229,28 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run,
                         checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")["model"])
 
 
+@pytest.mark.slow
+def test_fsdp_trains_in_float8_like_one_process_and_resumes(tmp_path, text_file):
+    """--fp8 tensorwise over 2 FSDP ranks (weights all-gathered in float8; emulated on the CPU), stopped at step 5 and
+    resumed from its sharded checkpoint, against one process: the same losses up to float8's activation scales, which
+    each rank takes from its half of the batch (1.7e-3 apart at most here; a resume that lost the weights would be
+    off by 20%). The run says how long the checkpoint took to write and to load."""
+    pytest.importorskip("torchao.float8")
+    fp8 = ["--dtype", "bf16", "--fp8", "tensorwise"]
+    one, out = tmp_path / "one", tmp_path / "fsdp"
+    assert train.main(argv(text_file, one, *fp8)) == 0
+    fsdp_argv = argv(text_file, out, *fp8, "--parallel", "fsdp")
+    first = run_ranks(fsdp_argv, tmp_path / "logs1", interrupt=(1, 5))
+    assert_ranks_exited(first, 130, 130)
+    assert f"checkpoint of step 5 written to {out / sharded_checkpoint.DCP_DIR_NAME} in " in first[0].stdout
+    resumed = run_ranks([*fsdp_argv, "--resume"], tmp_path / "logs2")
+    assert_ranks_exited(resumed, 0, 0)
+    assert f"resuming from {out / sharded_checkpoint.DCP_DIR_NAME} (step 5), loaded in " in resumed[0].stdout
+    got, want = rows(out), rows(one)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-2, atol=0)
+
+
 def test_a_stalled_rank_becomes_an_error_after_the_timeout(tmp_path, text_file):
     results = run_ranks(argv(text_file, tmp_path / "run", "--parallel", "ddp", "--dist-timeout", "3"),
                         tmp_path / "logs", stall=(1, 3), grace_s=2)

@@ -25,6 +25,7 @@ import torch
 
 from model import ModelConfig
 from training.fp8 import RECIPES as FP8_RECIPES
+from training.parallel.activation_checkpointing import POLICIES as RECOMPUTE_POLICIES
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PARALLEL_MODES = ("none", "ddp", "fsdp")
@@ -57,6 +58,9 @@ class ExecutionConfig:
                              "bf16 and float8 matmuls (emulated on the CPU)", True, FP8_RECIPES)
     activation_checkpointing: bool = option(False, "recompute each block in the backward instead of keeping its "
                                                    "activations", True)
+    recompute: str = option("full", "with --activation-checkpointing, what the backward recomputes: full (the "
+                                    "whole block) or selective (all but the outputs of matmuls and attention, "
+                                    "which are kept)", choices=RECOMPUTE_POLICIES)
     grad_accum_steps: int = option(1, "split each step's batch into this many micro-batches run one after another "
                                       "(the same update, a micro-batch's activation memory)")
     parallel: str = option("none", "none: one process; ddp or fsdp under torchrun (--batch-size is then the global "
@@ -264,13 +268,16 @@ def _check_combinations(config: Config, device: torch.device, world_size: int) -
                           "--parallel ddp or --optimizer adamw")
     if ex.parallel == "fsdp" and ex.dtype == "fp16":
         raise ConfigError("--parallel fsdp supports --dtype bf16 or fp32 (fp16 would need a sharded gradient scaler)")
+    if ex.recompute != "full" and not ex.activation_checkpointing:
+        raise ConfigError(f"--recompute {ex.recompute} says what --activation-checkpointing recomputes: add "
+                          "--activation-checkpointing")
     if ex.dtype == "fp16" and device.type != "cuda":
         raise ConfigError("--dtype fp16 needs a CUDA device (the gradient scaler is CUDA-only); use bf16 or fp32")
     if ex.cuda_graph:
         obstacle = graph_obstacle(device, ex.parallel, ex.dtype, False, op.optimizer)
         if obstacle:
             raise ConfigError(f"--cuda-graph: {obstacle}")
-    problem = fp8.problem(ex.fp8, device, ex.dtype, ex.parallel, config.model.d_model)
+    problem = fp8.problem(ex.fp8, device, ex.dtype, config.model.d_model)
     if problem:
         raise ConfigError(problem)
     per_rank, rem = divmod(config.data.batch_size, world_size)

@@ -4,7 +4,8 @@
     loss, grad_norm = step(x, y)            # forward, backward, clipping, optimizer; gradients cleared
 
 The order is what makes the parts compose, as torchtitan does it:
-0. with --fp8, the blocks' Linear layers become float8 ones (training.fp8), sharing their weights;
+0. with --fp8, the blocks' Linear layers become float8 ones (training.fp8), sharing their weights, before FSDP shards
+   them (under FSDP with tensorwise scaling, each optimizer step then precomputes the float8 scales of the weights);
 1. activation checkpointing wraps each block's forward, so that compilation traces the recomputation too;
 2. regional compilation compiles the blocks and the loss in place, before FSDP, so its hooks stay outside compiled code;
 3. DDP or FSDP wraps the model (training.parallel.wrap);
@@ -15,6 +16,7 @@ The order is what makes the parts compose, as torchtitan does it:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -103,6 +105,7 @@ class TrainingStep:
     device: torch.device
     grad_norm: bool = True  # return the global gradient norm (bench_model times the step without it)
     graphed: Optional[GraphedStep] = None
+    after_update: Optional[Callable[[], None]] = None  # run after each optimizer step (float8 scales under FSDP)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, model: Optional[Callable] = None,
              doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -147,6 +150,8 @@ class TrainingStep:
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0) if clip > 0 else None  # clip_grad_norm_'s coefficient
         self.scaler.step(self.optimizer, clip_coef=coef)
         self.scaler.update()
+        if self.after_update is not None:
+            self.after_update()
         return norm
 
     def eager_step(self, x: torch.Tensor, y: torch.Tensor,
@@ -205,12 +210,13 @@ def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = No
     """
     ctx = ctx or DistContext(device=next(model.parameters()).device)
     ex = config.execution
-    if ex.fp8 != "off":
-        fp8.convert(model, ex.fp8, ctx.device)  # first: checkpointing, compile and the optimizer see the new layers
+    float8_all_gather = fp8.gathers_float8(ex.fp8, ex.parallel)
+    if ex.fp8 != "off":  # first: checkpointing, compile, FSDP and the optimizer see the new layers
+        fp8.convert(model, ex.fp8, ctx.device, float8_all_gather)
     spec = get_optimizer(config.optim.optimizer)
     copies = keep_weight_copies(model, ex.dtype) if spec.keeps_weight_copies else None  # before compiling
     if ex.activation_checkpointing:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model, ex.recompute)
     regional = isinstance(model, TransformerLM)
     if ex.compile and regional:
         compile_regions(model)  # after checkpointing (the recomputed forward is compiled), before FSDP
@@ -220,7 +226,8 @@ def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = No
     overlap = overlaps_backward(config, ctx.world_size) if overlap is None else overlap
     optimizer = make_optimizer(model, config, ctx.device, copies, overlap)
     step = TrainingStep(model, step_model, optimizer, grad_scaler(ctx.device, ex.dtype), config, ctx.device,
-                        grad_norm)
+                        grad_norm, after_update=functools.partial(fp8.precompute_scales, model)
+                        if float8_all_gather else None)
     if ex.cuda_graph:
         step.graphed = GraphedStep(step.eager_step, optimizer, warmup=graph_warmup)
     return step

@@ -32,6 +32,7 @@ from training.metrics_file import METRICS_FILE, MetricsError, cut_after
 from training.optim.schedule import lr_at
 from training.parallel import distributed
 from training.parallel.distributed import DistContext
+from training.parallel.wrap import free_gathered_weights
 from training.progress import Progress, duration
 from training.run import directory
 from training.run.failures import RunError, StoppedAtOnce
@@ -111,12 +112,14 @@ class Trainer:
 
     def _resume(self) -> bool:
         """Load the newest good checkpoint; False when there is nothing left to do."""
+        start = time.perf_counter()
         resumed = load_checkpoint(self.out, self.model, self.step_fn.optimizer, self.step_fn.scaler, self.config,
                                   self.ctx, self.warn)
+        seconds = time.perf_counter() - start
         self.step_fn.match_lr_kind()  # the checkpoint's run may have had the other kind of learning rate
         self.state.step, self.state.checkpoint = resumed.step, resumed.path
         self.state.checkpoint_step = resumed.step
-        self.say(f"resuming from {resumed.path} (step {resumed.step})")
+        self.say(f"resuming from {resumed.path} (step {resumed.step}), loaded in {seconds:.1f} s")
         for line in resumed.changes:
             self.say(line)
         steps = self.config.run.steps
@@ -262,7 +265,8 @@ class Trainer:
         state.metrics = metrics
         if self._checkpoint_due(state.step, stop_now):
             self.logger.sync()  # the rows up to this step are on disk before the checkpoint that covers them
-            self._save()
+            seconds = self._save()
+            progress.write(f"checkpoint of step {state.step} written to {state.checkpoint} in {seconds:.1f} s")
         if self.ctx.device.type == "cpu":
             self._warn_if_long(progress)
 
@@ -290,6 +294,7 @@ class Trainer:
         model.eval()
         batches = (part for batch in self.sampler.val(self.config.run.eval_batches) for part in split(batch, n))
         result = evaluate(self.step_fn.loss, batches, self.token_bytes, self.ctx)
+        free_gathered_weights(model)
         model.train()
         return result
 
@@ -312,16 +317,19 @@ class Trainer:
         raise RunError(f"{error or 'rank 0 could not write metrics'}; saved a checkpoint at step {self.state.step} "
                        f"first: resume with --resume --out {self.out} once there is room")
 
-    def _save(self) -> None:
-        """A checkpoint of this step, if its weights are finite: a checkpoint on disk is always one to go back to."""
+    def _save(self) -> float:
+        """A checkpoint of this step, if its weights are finite: a checkpoint on disk is always one to go back to.
+        Returns the seconds the writing took, every rank's (the last barrier ends it on all of them)."""
         s = self.state
         bad = nonfinite_parameter(self.model)
         if distributed.any_rank(bad is not None, self.ctx):
             raise RunError(f"the weights became non-finite at step {s.step} ({bad or 'on another rank'}); stopping "
                            f"without a checkpoint of this step. {self._last_good()}")
+        start = time.perf_counter()
         s.checkpoint = save_checkpoint(self.out, self.model, self.step_fn.optimizer, self.step_fn.scaler, s.step,
                                        self.config, self.ctx, self.config.run.keep_checkpoints)
         s.checkpoint_step = s.step
+        return time.perf_counter() - start
 
     def _last_good(self) -> str:
         s = self.state

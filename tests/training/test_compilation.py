@@ -30,13 +30,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "activation-checkpointing"])
+@pytest.mark.parametrize("recompute", [None, "full", pytest.param("selective", marks=pytest.mark.slow)],
+                         ids=["plain", "activation-checkpointing", "selective-activation-checkpointing"])
 def test_compiled_regions_give_the_eager_loss_and_gradients(recompute):
     torch.manual_seed(0)
     eager, compiled = TransformerLM(CFG), TransformerLM(CFG)
     compiled.load_state_dict(eager.state_dict())
     if recompute:
-        checkpoint_blocks(compiled)
+        checkpoint_blocks(compiled, recompute)
     assert compile_regions(compiled) is compiled  # Inductor, as train.py uses it
     ids, targets = batch()
     want_loss, want_grads = loss_and_grads(eager, ids, targets)

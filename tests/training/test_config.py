@@ -136,6 +136,9 @@ def test_a_cuda_graph_asked_for_on_the_cpu_is_still_an_error(capsys):
     (dict(execution={"cuda_graph": True}), "--cuda-graph: CUDA graphs need a GPU"),
     (dict(execution={"device": "gpu0"}), "--device: "),
     (dict(execution={"grad_accum_steps": 3}), "--grad-accum-steps 3 must divide the sequences per rank and step (8)"),
+    (dict(execution={"recompute": "selective"}), "--recompute selective says what --activation-checkpointing "
+                                                 "recomputes: add --activation-checkpointing"),
+    (dict(execution={"recompute": "some"}), "--recompute: unknown value 'some'; valid: full, selective"),
 ])
 def test_each_rule_names_its_flags(sections, message):
     with pytest.raises(ConfigError) as e:

@@ -72,15 +72,13 @@ def test_build_step_converts_before_the_optimizer_and_trains():
     assert losses[-1] < losses[0] - 0.5  # the same batch fifteen times: it learns it
 
 
-@pytest.mark.parametrize("recipe, precision, parallel, d_model, message", [
-    ("tensorwise", "fp32", "none", 64, "--fp8 tensorwise trains under bf16 autocast: add --dtype bf16 (got fp32)"),
-    ("rowwise", "bf16", "fsdp", 64, "--fp8 with --parallel fsdp is not supported"),
-    ("rowwise", "bf16", "none", 200, "--fp8 rowwise needs a --d-model that is a multiple of 16 (float8 matmuls), "
-                                     "got 200"),
+@pytest.mark.parametrize("recipe, precision, d_model, message", [
+    ("tensorwise", "fp32", 64, "--fp8 tensorwise trains under bf16 autocast: add --dtype bf16 (got fp32)"),
+    ("rowwise", "bf16", 200, "--fp8 rowwise needs a --d-model that is a multiple of 16 (float8 matmuls), got 200"),
 ])
-def test_what_cannot_run_is_named(recipe, precision, parallel, d_model, message):
-    assert message in fp8.problem(recipe, CPU, precision, parallel, d_model)
-    assert fp8.problem("off", CPU, precision, parallel, d_model) is None
+def test_what_cannot_run_is_named(recipe, precision, d_model, message):
+    assert message in fp8.problem(recipe, CPU, precision, d_model)
+    assert fp8.problem("off", CPU, precision, d_model) is None
 
 
 def test_train_py_refuses_fp8_without_bf16(capsys):
@@ -94,8 +92,7 @@ def test_train_py_refuses_fp8_without_bf16(capsys):
 def test_resolve_refuses_what_fp8_cannot_run_with_the_reason():
     base = resolved(CFG, execution={"dtype": "bf16", "fp8": "rowwise"})
     assert base.execution.fp8 == "rowwise"
-    with pytest.raises(ConfigError, match=r"--fp8 with --parallel fsdp is not supported"):
-        resolve(base.replace(execution={"parallel": "fsdp"}), world_size=2)
+    assert resolve(base.replace(execution={"parallel": "fsdp"}), world_size=2).config.execution.parallel == "fsdp"
     with pytest.raises(ConfigError, match=r"multiple of 16 \(float8 matmuls\), got 200"):
         resolve(base.replace(model={"d_model": 200, "n_heads": 4}))
 
@@ -106,3 +103,37 @@ def test_bench_model_sweeps_fp8_recipes(tmp_path):
                              "--dtype", "bf16", "--fp8", "off,tensorwise", "--mode", "train-step", "--device", "cpu",
                              "--out", str(tmp_path)])
     assert [(r["fp8"], r["status"]) for r in rows] == [("off", "ok"), ("tensorwise", "ok")]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_under_fsdp_tensorwise_weights_gather_in_float8_with_scales_of_the_updated_weights(recipe):
+    """Tensorwise: each float8 weight is FSDP-sharded as torchao's float8-castable tensor, and after every optimizer
+    step its scale is float8's largest value over the weight's absolute maximum, the weight as updated by that step.
+    Rowwise: plain weights, gathered in bf16, with nothing to precompute."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from tests.ranks import single_rank_group
+
+    config = resolved(CFG, execution={"attn": ATTN, "dtype": "bf16", "fp8": recipe, "parallel": "fsdp"},
+                      data={"batch_size": 8})
+    ids = torch.randint(0, 97, (8, 33), generator=torch.Generator().manual_seed(3))
+    with single_rank_group("fsdp") as ctx:
+        m = model()
+        step = build_step(m, config, ctx)
+        layers = [mod for mod in m.modules() if type(mod).__name__ == "Float8Linear"]
+        assert len(layers) == 10 and all(isinstance(layer.weight, DTensor) for layer in layers)
+        castable = [isinstance(layer.weight.to_local(), WeightWithDynamicFloat8CastTensor) for layer in layers]
+        assert castable == [recipe == "tensorwise"] * len(layers)
+        assert (step.after_update is not None) == (recipe == "tensorwise")
+        if recipe == "rowwise":
+            return
+        scales = []
+        for _ in range(2):
+            step(ids[:, :-1], ids[:, 1:])
+            got = torch.stack([layer.weight._local_tensor._precomputed_scale for layer in layers])
+            amax = torch.stack([layer.weight._local_tensor._tensor.double().abs().max() for layer in layers])
+            want = (torch.finfo(torch.float8_e4m3fn).max / amax).float()
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+            scales.append(got)
+        assert not torch.equal(scales[0], scales[1])  # the second step's weights have scales of their own

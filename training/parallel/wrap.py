@@ -13,9 +13,8 @@ DDP_BUCKET_MB = 100
 def wrap_model(model: nn.Module, ctx: DistContext, dtype: torch.dtype) -> nn.Module:
     """The module to call for training: the model itself, DistributedDataParallel, or the model fully sharded.
 
-    FSDP shards each block, then the root (embedding, final norm, LM head). Under bf16 the blocks compute in bf16
-    from all-gathered bf16 copies of fp32 master weights and reduce-scatter gradients in fp32. The model's
-    parameters must be identical on every rank (same seed): DDP broadcasts rank 0's, FSDP keeps each rank's shard.
+    FSDP: shard_blocks_and_root. The model's parameters must be identical on every rank (same seed): DDP broadcasts
+    rank 0's, FSDP keeps each rank's shard.
     """
     if ctx.parallel == "none":
         return model
@@ -26,14 +25,43 @@ def wrap_model(model: nn.Module, ctx: DistContext, dtype: torch.dtype) -> nn.Mod
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                                    bucket_cap_mb=DDP_BUCKET_MB)
     if ctx.parallel == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if dtype == torch.bfloat16 else MixedPrecisionPolicy())
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        shard_blocks_and_root(model, ctx, dtype)
         return model
     raise ValueError(f"unknown parallel mode {ctx.parallel!r}")
+
+
+def reshards_after_forward(index: int, n_blocks: int) -> bool:
+    """Whether block `index` frees its gathered weights after its forward: all but the last, whose weights the
+    backward needs first, at once, with no compute before it to hide a second all-gather behind."""
+    return index < n_blocks - 1
+
+
+def shard_blocks_and_root(model: nn.Module, ctx: DistContext, dtype: torch.dtype) -> None:
+    """FSDP2 in place, as torchtitan applies it: each block its own unit (one all-gather and one reduce-scatter per
+    block, overlapped with the neighbouring blocks' compute by FSDP2's implicit prefetching), then the root
+    (embedding, final norm, LM head), kept gathered from its forward to its backward.
+
+    Under bf16 the blocks compute from all-gathered bf16 copies of the fp32 master weights and reduce-scatter fp32
+    gradients. Blocks already compiled (training/compilation.py) stay compiled per block: FSDP's hooks run around
+    each block's call, outside its compiled forward.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if dtype == torch.bfloat16 else MixedPrecisionPolicy())
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    n = len(model.blocks)
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshards_after_forward(i, n))
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def free_gathered_weights(model: nn.Module) -> None:
+    """Reshard what FSDP keeps gathered after a forward for the backward that follows (the root and the last block):
+    after an evaluation no backward follows, and the parameters are then their shards again. A no-op without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

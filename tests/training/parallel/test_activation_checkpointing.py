@@ -1,11 +1,28 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, TransformerLM
 from training.parallel.activation_checkpointing import checkpoint_blocks
 
 CFG = ModelConfig(d_model=32, n_layers=3, n_heads=2, d_ff=64, vocab_size=97, context_length=16)
 ATTN = "naive"
+# A full recomputation redoes qkv, out, w1 and w3 (fp64: w1 and w3 apart) and stops before w2, whose output the
+# backward does not need; the naive attention's two matmuls are bmm.
+REDONE_MATMULS = 4
+
+
+class CountOps(TorchDispatchMode):
+    """How many times each op runs inside the `with`."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def saved_bytes_and_grads(model: TransformerLM, ids: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
@@ -23,14 +40,28 @@ def saved_bytes_and_grads(model: TransformerLM, ids: torch.Tensor) -> tuple[int,
     return n, {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("batch, seq", [(2, 16), (3, 8)])
-def test_recomputation_gives_the_same_gradients_with_less_saved(batch, seq):
+def backward_ops_and_grads(model: TransformerLM, ids: torch.Tensor) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    """The ops the backward runs (recomputation included), and the gradients."""
+    loss = model(ids).double().square().mean()
+    with CountOps() as ops:
+        loss.backward()
+    return ops.counts, {name: p.grad for name, p in model.named_parameters()}
+
+
+def pair(policy: str | None) -> tuple[TransformerLM, TransformerLM]:
     torch.manual_seed(0)
     plain = TransformerLM(CFG, ATTN).double()
-    recomputed = TransformerLM(CFG, ATTN).double()
-    recomputed.load_state_dict(plain.state_dict())
-    checkpoint_blocks(recomputed)
-    checkpoint_blocks(recomputed)  # a second call changes nothing
+    other = TransformerLM(CFG, ATTN).double()
+    other.load_state_dict(plain.state_dict())
+    if policy:
+        checkpoint_blocks(other, policy)
+        checkpoint_blocks(other, policy)  # a second call changes nothing
+    return plain, other
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 16), (3, 8)])
+def test_recomputation_gives_the_same_gradients_with_less_saved(batch, seq):
+    plain, recomputed = pair("full")
     ids = torch.randint(0, CFG.vocab_size, (batch, seq))
     plain_bytes, plain_grads = saved_bytes_and_grads(plain, ids)
     recomputed_bytes, recomputed_grads = saved_bytes_and_grads(recomputed, ids)
@@ -38,3 +69,28 @@ def test_recomputation_gives_the_same_gradients_with_less_saved(batch, seq):
         torch.testing.assert_close(recomputed_grads[name], g, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
     assert recomputed_bytes < plain_bytes / 2, (recomputed_bytes, plain_bytes)
     assert recomputed.state_dict().keys() == plain.state_dict().keys()  # checkpoints keep their names
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("batch, seq", [(2, 16), (3, 8)])
+def test_selective_recomputation_redoes_no_matmul(policy, batch, seq):
+    """Both policies give the plain gradients; full redoes each block's forward matmuls in the backward, selective
+    keeps their outputs (and attention's) and recomputes only the rest, such as the norms."""
+    plain, recomputed = pair(policy)
+    ids = torch.randint(0, CFG.vocab_size, (batch, seq))
+    plain_ops, plain_grads = backward_ops_and_grads(plain, ids)
+    ops, grads = backward_ops_and_grads(recomputed, ids)
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    redone_mm = ops.get("mm", 0) - plain_ops.get("mm", 0)
+    redone_bmm = ops.get("bmm", 0) - plain_ops.get("bmm", 0)
+    if policy == "full":
+        assert (redone_mm, redone_bmm) == (REDONE_MATMULS * CFG.n_layers, 2 * CFG.n_layers)
+    else:
+        assert (redone_mm, redone_bmm) == (0, 0)
+    assert ops.get("rsqrt", 0) - plain_ops.get("rsqrt", 0) == 2 * CFG.n_layers  # both norms of each block redone
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown recomputation policy 'most'"):
+        checkpoint_blocks(TransformerLM(CFG, ATTN), "most")

@@ -9,7 +9,7 @@ from model import ModelConfig, TransformerLM
 from tests.ranks import single_rank_group, start_ranks
 from training.parallel import distributed
 from training.parallel.distributed import DistContext, DistributedError
-from training.parallel.wrap import wrap_model
+from training.parallel.wrap import free_gathered_weights, wrap_model
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=97, context_length=16)
@@ -87,6 +87,32 @@ def test_fsdp_keeps_fp32_master_weights_computes_in_the_run_dtype_and_reduces_in
         group = model.blocks[0]._get_fsdp_state()._fsdp_param_group
         assert {fp.reduce_dtype for fp in group.fsdp_params} <= {torch.float32, None}
         assert group.mp_policy.reduce_dtype in ((torch.float32,) if dtype == torch.bfloat16 else (None,))
+
+
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_fsdp_keeps_the_last_block_and_the_root_gathered_for_the_backward(n_layers):
+    """After a forward, the blocks are their shards again but for the last, whose weights (with the root's: embedding,
+    final norm, LM head) the backward needs first; after the backward, and after an evaluation's forward once
+    free_gathered_weights ran, every parameter is its shard."""
+    from torch.distributed.tensor import DTensor
+
+    def gathered(model):
+        return sorted({name.split(".")[0] + (f".{name.split('.')[1]}" if name.startswith("blocks.") else "")
+                       for name, p in model.named_parameters() if not isinstance(p, DTensor)})
+
+    with single_rank_group("fsdp") as ctx:
+        model = TransformerLM(ModelConfig(**{**TINY.to_dict(), "n_layers": n_layers}), ATTN)
+        wrap_model(model, ctx, torch.bfloat16)
+        ids = torch.randint(0, TINY.vocab_size, (2, 16))
+        loss = model(ids, ids)
+        assert gathered(model) == sorted(["embed", "final_norm", "lm_head", f"blocks.{n_layers - 1}"])
+        loss.backward()
+        assert gathered(model) == []
+        with torch.no_grad():
+            model(ids, ids)
+        assert gathered(model) != []
+        free_gathered_weights(model)
+        assert gathered(model) == []
 
 
 def test_one_process_trains_the_model_itself():
