@@ -31,7 +31,6 @@ class AttentionFn(Protocol):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
         window: Optional[int] = None, softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
-        deterministic: Optional[bool] = None,
     ) -> torch.Tensor: ...
 
 
@@ -104,7 +103,6 @@ class Backend:
     decode_variants: frozenset = frozenset()  # of "gqa", "window", "softcap": what its decode path runs
     variants: frozenset = frozenset()  # the keys of VARIANTS it runs
     variant_check: VariantCheck = field(default=lambda q, k, v, causal, variant: None)
-    options: frozenset = frozenset()  # keyword options fn takes beyond the variants: "deterministic"
 
 
 @dataclass(frozen=True)
@@ -129,13 +127,11 @@ def register(
     input_check: InputCheck = lambda q, k, v, causal: None,
     variants: tuple[str, ...] = (),
     variant_check: Optional[VariantCheck] = None,
-    options: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
     """Decorator: register `fn(q, k, v, causal, scale, **variant) -> o` under `name`.
 
     variants: the keys of VARIANTS it runs; fn gets those in use as keyword arguments (window=, softcap=,
-    doc_ids= as given to the call, GQA through the shapes of q and k). options: other keywords fn takes, given
-    only when the call passes them ("deterministic": the backward's mode). variant_check(q, k, v, causal, variant):
+    doc_ids= as given to the call, GQA through the shapes of q and k). variant_check(q, k, v, causal, variant):
     why it cannot run a particular use of them (e.g. a mask too large to materialise), or None.
     """
     unknown = set(variants) - set(VARIANTS)
@@ -147,8 +143,7 @@ def register(
             raise ValueError(f"attention backend {name!r} is registered twice")
         _BACKENDS[name] = Backend(name, fn, description, environment_check, input_check,
                                   variants=frozenset(variants),
-                                  variant_check=variant_check or (lambda q, k, v, causal, variant: None),
-                                  options=frozenset(options))
+                                  variant_check=variant_check or (lambda q, k, v, causal, variant: None))
         return fn
 
     return decorate
@@ -306,7 +301,6 @@ def get_attention(name: str) -> AttentionFn:
     def attention(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: Optional[float] = None,
         window: Optional[int] = None, softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
-        deterministic: Optional[bool] = None,
     ) -> torch.Tensor:
         key = _call_signature(q, k, v, causal, window, softcap) if doc_ids is None else None
         if key is not None and key in accepted:
@@ -322,13 +316,8 @@ def get_attention(name: str) -> AttentionFn:
                 if len(accepted) >= _MAX_ACCEPTED:
                     accepted.clear()
                 accepted.add(key)
-        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        if deterministic is None:
-            return backend.fn(q, k, v, causal, scale, **variant.kwargs())
-        if "deterministic" not in backend.options:
-            raise UnsupportedInputError(f"attention backend {name!r} takes no deterministic= argument "
-                                        "(torch.use_deterministic_algorithms sets the mode of every backend)")
-        return backend.fn(q, k, v, causal, scale, **variant.kwargs(), deterministic=deterministic)
+        return backend.fn(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+                          **variant.kwargs())
 
     accepted_decode: set[tuple] = set()  # the signatures (_decode_signature) of decode calls the checks passed
 

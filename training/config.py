@@ -66,9 +66,7 @@ class ExecutionConfig:
     parallel: str = option("none", "none: one process; ddp or fsdp under torchrun (--batch-size is then the global "
                                    "batch)", True, PARALLEL_MODES)
     dist_timeout: float = option(600.0, "seconds a collective waits for the other ranks before the run fails")
-    deterministic: bool = option(False, "bitwise-reproducible backward (torch.use_deterministic_algorithms); default: "
-                                        "the faster atomic backward", True)
-    device: Optional[str] = option(None, "torch device; default cuda if available, else cpu")
+    device: Optional[str] = option(None, "torch device; default cuda if available, else cpu", True)
 
 
 @dataclass(frozen=True)

@@ -63,13 +63,6 @@ class RunState:
     seconds: float = 0.0
 
 
-def use_deterministic_algorithms(config: Config) -> None:
-    """--deterministic: torch.use_deterministic_algorithms (flash then runs its bitwise-reproducible backward); set
-    before the step is built and compiled, which reads it. warn_only: ops without a deterministic kernel warn."""
-    if config.execution.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-
-
 class Trainer:
     """One run of `config` (resolved: training.config.resolve) in the process group `ctx`."""
 
@@ -98,7 +91,6 @@ class Trainer:
             self.model = TransformerLM(config.model, config.execution.attn)
         if self.init:  # before the step wraps, shards or compiles the model
             self.init.load_into(self.model)
-        use_deterministic_algorithms(config)
         self.step_fn = build_step(self.model, config, self.ctx)
         self.state = RunState()
         self.logger: MetricsLogger | NullLogger = NullLogger()  # fit() opens the run's own (none if nothing to do)

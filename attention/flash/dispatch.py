@@ -25,15 +25,6 @@ from attention.registry import UnsupportedInputError, launches_replayed, why_not
 KERNELS = ("auto", "triton")
 NO_SOFTCAP = "the Hopper kernels run every variant but softcap, which runs on the Triton kernels"
 
-# The backward modes (docs/flash.md, Backward modes): what each runs.
-BACKWARD_MODES = {
-    "fast": "dK/dV adds dQ atomically in fp32, not bitwise reproducible",
-    "deterministic": "separate dQ and dK/dV kernels, bitwise reproducible",
-}
-# The Hopper backward is deterministic only. False: the fast mode keeps it where it runs; True: the fast mode runs
-# the Triton kernels' fast backward there instead.
-FAST_BACKWARD_ON_HOPPER = False
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Which kernels run
@@ -48,12 +39,9 @@ class KernelChoice:
     backward: str
     forward_reason: str
     backward_reason: str
-    backward_mode: str  # a key of BACKWARD_MODES
-    mode_reason: str
 
     def __str__(self) -> str:
-        return (f"forward {self.forward_reason}; backward {self.backward_reason}; {self.backward_mode} backward "
-                f"({BACKWARD_MODES[self.backward_mode]}): {self.mode_reason}")
+        return f"forward {self.forward_reason}; backward {self.backward_reason}"
 
 
 # Process-wide, not per thread, as graph_replay(): autograd runs the backward on a thread of its own.
@@ -94,38 +82,16 @@ def _forward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causa
 
 def _backward_problem(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, causal: bool,
                       replayed: bool, kernels: str, capability: Optional[tuple[int, int]] = None,
-                      softcap: bool = False, window: Optional[int] = None, docs: bool = False,
-                      deterministic: bool = True) -> Optional[str]:
+                      softcap: bool = False, window: Optional[int] = None, docs: bool = False) -> Optional[str]:
     """None when the Hopper backward runs these inputs, else why the Triton one does."""
     if kernels == "triton":
         return "use_kernels('triton') is in effect"
     if softcap:
         return NO_SOFTCAP
-    if not deterministic and FAST_BACKWARD_ON_HOPPER:
-        return "the fast backward runs on the Triton kernels (FAST_BACKWARD_ON_HOPPER)"
     return hopper_inputs.backward_problem(q4, k4, v4, do4, causal, replayed, capability, window, docs)
 
 
 _SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def deterministic_backward(deterministic: Optional[bool] = None) -> bool:
-    """Whether the backward is to be the deterministic one: `deterministic` where given, else PyTorch's setting
-    (torch.use_deterministic_algorithms)."""
-    return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
-
-
-def _backward_mode(kernel: str, deterministic: Optional[bool]) -> tuple[str, str]:
-    """(mode, why) of a backward on `kernel` ("hopper" or "triton"), asked for `deterministic` (None: PyTorch's)."""
-    if deterministic is None:
-        asked = f"torch.are_deterministic_algorithms_enabled() is {torch.are_deterministic_algorithms_enabled()}"
-    else:
-        asked = f"deterministic={bool(deterministic)} was passed"
-    if deterministic_backward(deterministic):
-        return "deterministic", asked
-    if kernel == "hopper":
-        return "deterministic", f"{asked}, but the Hopper backward is deterministic only (FAST_BACKWARD_ON_HOPPER)"
-    return "fast", asked
 
 
 def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bool, replayed: bool,
@@ -145,17 +111,14 @@ def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bo
 def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, *,
                    do: Optional[torch.Tensor] = None, replayed: Optional[bool] = None, kernels: Optional[str] = None,
                    capability: Optional[tuple[int, int]] = None, window: Optional[int] = None,
-                   softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
-                   deterministic: Optional[bool] = None) -> KernelChoice:
-    """The kernels flash runs for these inputs (shaped (..., seq, d_head)), forward and backward, and the backward's
-    mode (fast or deterministic), with the reasons.
+                   softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None) -> KernelChoice:
+    """The kernels flash runs for these inputs (shaped (..., seq, d_head)), forward and backward, with the reasons.
 
     do: the backward's upstream gradient (default: one like q, which is what autograd passes for o). replayed:
     whether the launches will be replayed from a CUDA graph (default: inside attention.graph_replay() or a capture).
     kernels: "auto" or "triton" (default: the use_kernels() setting). capability: decide for a GPU of this
     (major, minor), e.g. (9, 0), instead of q's device. window, softcap, doc_ids: the variants of the call (the Hopper
-    kernels run all but softcap; the forward of documents and of short windows stays on Triton). deterministic: the
-    call's keyword (default None: torch.are_deterministic_algorithms_enabled() decides). Raises
+    kernels run all but softcap; the forward of documents and of short windows stays on Triton). Raises
     UnsupportedInputError when flash cannot run the input.
     """
     reason = why_not("flash", q, k, v, causal, window=window, softcap=softcap, doc_ids=doc_ids)
@@ -167,13 +130,10 @@ def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     replayed = launches_replayed() if replayed is None else replayed
     kernels = _kernels if kernels is None else kernels
     forward_ = _forward_problem(q4, k4, v4, causal, replayed, kernels, capability, capped, window, docs)
-    backward_ = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability, capped, window, docs,
-                                  deterministic_backward(deterministic))
-    backward_kernel = "triton" if backward_ else "hopper"
-    return KernelChoice("triton" if forward_ else "hopper", backward_kernel,
+    backward_ = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability, capped, window, docs)
+    return KernelChoice("triton" if forward_ else "hopper", "triton" if backward_ else "hopper",
                         _reason(forward_, "forward", q4, causal, replayed, window),
-                        _reason(backward_, "backward", q4, causal, replayed, window),
-                        *_backward_mode(backward_kernel, deterministic))
+                        _reason(backward_, "backward", q4, causal, replayed, window))
 
 
 def checked_scale(scale: float) -> float:
@@ -218,26 +178,23 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
              do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
              softcap: Optional[float] = None, bounds: Optional[tuple] = None,
              tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False, replayed: Optional[bool] = None,
-             kernels: Optional[str] = None, deterministic: Optional[bool] = None) -> tuple:
+             kernels: Optional[str] = None) -> tuple:
     """(dq, dk, dv, plan): the gradients by recomputation from lse, each like its input, and the plan that repeats
-    the call (None where there is none). tiles ({"dkdv": ..., "dq": ...} or {"fused": ...}): run the Triton backward
-    with these configs. deterministic: the mode (None: PyTorch's setting, deterministic_backward); the Hopper
-    backward is deterministic in either. The rest as in forward."""
-    deterministic = deterministic_backward(deterministic)
+    the call (None where there is none). tiles ({"dkdv": ..., "dq": ...}): run the Triton backward with these
+    configs; the rest as in forward."""
     if not tiles and softcap is None:
         q4, k4, v4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do)
         replayed = launches_replayed() if replayed is None else replayed
         kernels = _kernels if kernels is None else kernels
         if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, None, False, window,
-                             bounds is not None, deterministic) is None:
+                             bounds is not None) is None:
             lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
             if not traceable and q.dim() <= 4:
                 return hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window, bounds)
             run = hopper.backward_op if traceable else hopper.run_backward
             grads = run(q4, k4, v4, as_bhsd(o), lse, do4, causal, scale, window, *(bounds or (None, None)))
             return (*(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v))), None)
-    return triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds, tiles, traceable,
-                                   deterministic)
+    return triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds, tiles, traceable)
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -254,11 +211,10 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                    do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
                    traceable: bool = False, replayed: Optional[bool] = None, kernels: Optional[str] = None,
                    window: Optional[int] = None, softcap: Optional[float] = None,
-                   doc_ids: Optional[torch.Tensor] = None,
-                   deterministic: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of backward(), as flash_forward."""
     dq, dk, dv, _ = backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds_of(q, doc_ids), tiles,
-                             traceable, replayed, kernels, deterministic)
+                             traceable, replayed, kernels)
     return dq, dk, dv
 
 
@@ -339,18 +295,16 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def run_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                  do: torch.Tensor, causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
-                 bounds: Optional[tuple], plans: Optional[dict],
-                 deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of an eager call: the plan of its gradient layout and mode among `plans` (run_forward's), or
-    backward(), whose plan is kept there. deterministic: the mode, resolved when the forward ran."""
+                 bounds: Optional[tuple], plans: Optional[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of an eager call: the plan of its gradient layout among `plans` (run_forward's), or backward(),
+    whose plan is kept there."""
     if plans is None:
-        return backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds, deterministic=deterministic)[:3]
-    key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, launches_replayed(), _kernels, deterministic)
+        return backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds)[:3]
+    key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, launches_replayed(), _kernels)
     plan = plans.get(key)
     if plan is not None:
         return plan(q, k, v, o, lse, do, bounds)
-    dq, dk, dv, plan = backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds,
-                                deterministic=deterministic)
+    dq, dk, dv, plan = backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds)
     if plan is not None:
         _keep(plans, key, plan)
     return dq, dk, dv

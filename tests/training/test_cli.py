@@ -8,7 +8,6 @@ import re
 from dataclasses import fields
 
 import pytest
-import torch
 
 import train
 from model import PRESETS, ModelConfig
@@ -221,21 +220,3 @@ def test_resume_without_a_saved_config_takes_the_flags(tmp_path):
     assert config.run.resume and config.model == ModelConfig(d_model=64, n_layers=2, n_heads=4, context_length=32,
                                                              d_ff=Config().model.d_ff)
     assert {"resume", "out", "d_model"} <= explicit
-
-
-def test_deterministic_turns_on_torchs_deterministic_algorithms():
-    """--deterministic reaches the Trainer, which switches torch.use_deterministic_algorithms on (flash then runs its
-    bitwise-reproducible backward); --device is still accepted though --help no longer lists it."""
-    from training.trainer import use_deterministic_algorithms
-
-    config, _ = cli.parse(["--deterministic", "--device", "cpu"])
-    assert config.execution.deterministic and config.execution.device == "cpu"
-    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        torch.use_deterministic_algorithms(False)
-        use_deterministic_algorithms(cli.parse([])[0])
-        assert not torch.are_deterministic_algorithms_enabled()
-        use_deterministic_algorithms(config)
-        assert torch.are_deterministic_algorithms_enabled()
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])

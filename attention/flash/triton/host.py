@@ -26,9 +26,7 @@ except ImportError:  # the flash backend reports it through its environment chec
 # ----------------------------------------------------------------------------------------------------------
 # Tile configurations: the one place to tune.
 # BLOCK_M is always the query tile, BLOCK_N the key tile. The forward and dQ kernels need
-# BLOCK_M % BLOCK_N == 0 and the dK/dV kernel BLOCK_N % BLOCK_M == 0 (the causal band is whole tiles). "fused" is
-# the dK/dV kernel of the fast backward, which also adds dQ atomically (ATOMIC_DQ): its own tiles, since it holds
-# a dQ tile more.
+# BLOCK_M % BLOCK_N == 0 and the dK/dV kernel BLOCK_N % BLOCK_M == 0 (the causal band is whole tiles).
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -51,12 +49,7 @@ DKDV_SEARCH_SPACE = [Tiles(32, 128, 4, 3), Tiles(32, 128, 8, 3), Tiles(64, 128, 
 DQ_SEARCH_SPACE = [Tiles(128, 32, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 4),
                    Tiles(128, 64, 4, 3), Tiles(128, 32, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4),
                    Tiles(64, 32, 4, 3)]
-# FlashAttention-2's fused backward streams 64-row query tiles past 128-key tiles; 32-row tiles halve the dQ
-# tile's registers and the atomics per program step.
-FUSED_SEARCH_SPACE = [Tiles(64, 128, 8, 2), Tiles(64, 128, 8, 3), Tiles(32, 128, 4, 3), Tiles(32, 128, 8, 3),
-                      Tiles(64, 64, 4, 3), Tiles(32, 64, 4, 3)]
-SEARCH_SPACES = {"fwd": FWD_SEARCH_SPACE, "dkdv": DKDV_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE,
-                 "fused": FUSED_SEARCH_SPACE}
+SEARCH_SPACES = {"fwd": FWD_SEARCH_SPACE, "dkdv": DKDV_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE}
 
 # Without autotuning: the first of these that fits the head dim and dtype with margin (at most
 # _DEFAULT_ACC_REGS accumulator registers per thread and 3/4 of the shared memory estimate, see _fits:
@@ -66,16 +59,14 @@ DEFAULT_TILES = {
     "fwd": [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 32, 8, 2), Tiles(64, 16, 8, 1)],
     "dkdv": [Tiles(32, 128, 8, 3), Tiles(32, 64, 4, 3), Tiles(32, 64, 8, 2), Tiles(32, 32, 8, 2), Tiles(16, 32, 8, 1)],
     "dq": [Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 32, 8, 2), Tiles(64, 16, 8, 1)],
-    "fused": [Tiles(32, 128, 8, 3), Tiles(32, 64, 4, 3), Tiles(32, 64, 8, 2), Tiles(32, 32, 8, 2), Tiles(16, 32, 8, 1)],
 }
 _DEFAULT_ACC_REGS = 64
 
 # The CPU interpreter: small tiles, so short test sequences still span several tiles, a causal band of
 # two key tiles and ragged edges.
-INTERPRET_TILES = {"fwd": Tiles(32, 16, 4, 1), "dkdv": Tiles(16, 32, 4, 1), "dq": Tiles(32, 16, 4, 1),
-                   "fused": Tiles(16, 32, 4, 1)}
+INTERPRET_TILES = {"fwd": Tiles(32, 16, 4, 1), "dkdv": Tiles(16, 32, 4, 1), "dq": Tiles(32, 16, 4, 1)}
 
-DELTA_BLOCK_M = 64  # the delta pre-pass and the dQ conversion are memory bound; not tuned
+DELTA_BLOCK_M = 64  # the delta pre-pass is memory bound; not tuned
 WORK_ORDER_BLOCK = 64  # work items a program of work_order ranks
 
 _FALLBACK_SMEM_BYTES = 227 * 1024  # Hopper's per-block opt-in limit, if the device cannot be asked
@@ -92,16 +83,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def owns_keys(kernel: str) -> bool:
-    """Whether a kernel's programs own key tiles (dK/dV, plain or fused) rather than query tiles."""
-    return kernel in ("dkdv", "fused")
-
-
 def _smem_bytes(kernel: str, t: Tiles, block_d: int, elem: int) -> int:
     """Rough shared memory: the resident tile(s) plus num_stages buffers of each streamed tile."""
     if kernel == "fwd":  # q resident; k, v streamed
         rows = t.block_m + 2 * t.num_stages * t.block_n
-    elif owns_keys(kernel):  # k, v resident; q, dO streamed
+    elif kernel == "dkdv":  # k, v resident; q, dO streamed
         rows = 2 * t.block_n + 2 * t.num_stages * t.block_m
     else:  # dq: q, dO resident; k, v streamed
         rows = 2 * t.block_m + 2 * t.num_stages * t.block_n
@@ -109,7 +95,7 @@ def _smem_bytes(kernel: str, t: Tiles, block_d: int, elem: int) -> int:
 
 
 def _acc_regs_per_thread(kernel: str, t: Tiles, block_d: int) -> int:
-    acc_rows = {"dkdv": 2 * t.block_n, "fused": 2 * t.block_n + t.block_m}.get(kernel, t.block_m)  # dK, dV (dQ)
+    acc_rows = 2 * t.block_n if kernel == "dkdv" else t.block_m  # dK and dV, or O / dQ
     return acc_rows * block_d // (32 * t.num_warps)
 
 
@@ -215,7 +201,7 @@ def _prune(kernel: str):
     return prune
 
 
-_KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq", "fused": "attn_bwd_dkdv"}
+_KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
 # triton adds the tensors' dtypes to the key itself. The window's size is not in it: the tiles that win at one
 # size are the ones tuned at the first size seen.
 _AUTOTUNE_KEY = ["N_Q", "N_K", "D", "CAUSAL", "GROUP", "WINDOW", "SOFTCAP", "DOCS"]
@@ -233,13 +219,9 @@ def _autotuned(kernel: str):
         for t in SEARCH_SPACES[kernel]
     ]
     options = {"prune_configs_by": {"early_config_prune": _prune(kernel)}}
-    key = _AUTOTUNE_KEY
-    if kernel == "fused":  # its timing runs add to the dQ accumulator; ATOMIC_DQ keeps its disk cache apart
-        options["reset_to_zero"] = ["DQA"]
-        key = [*_AUTOTUNE_KEY, "ATOMIC_DQ"]
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         options["cache_results"] = True  # keep timings on disk: a training run does not re-tune each start
-    return triton.autotune(configs=configs, key=key, **options)(getattr(_kernels(), _KERNEL_NAMES[kernel]))
+    return triton.autotune(configs=configs, key=_AUTOTUNE_KEY, **options)(getattr(_kernels(), _KERNEL_NAMES[kernel]))
 
 
 # The config the autotuner chose, per kernel and autotune key. Later calls with that key launch the kernel with it
@@ -265,8 +247,8 @@ def _tuned_key(kernel: str, seq_lens: tuple[int, int], meta: dict, like: torch.T
 
 
 def _grid(kernel: str, seq_lens: tuple[int, int], bh: int, own: int) -> tuple[int, int]:
-    """(tiles of the kernel's own axis, bh): the dK/dV kernels own key tiles of `own` rows, the others query tiles."""
-    return _cdiv(seq_lens[1] if owns_keys(kernel) else seq_lens[0], own), bh
+    """(tiles of the kernel's own axis, bh): the dK/dV kernel owns key tiles of `own` rows, the others query tiles."""
+    return _cdiv(seq_lens[1] if kernel == "dkdv" else seq_lens[0], own), bh
 
 
 def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, n_tensors: int, meta: dict,
@@ -283,7 +265,7 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, n_tens
             # Traced, the autotuner goes to Inductor, which tunes it when the compiled code first runs and keeps the
             # choice in its own on-disk autotune cache; nothing is recorded here.
             tuner = _autotuned(kernel)
-            grid_block = "BLOCK_N" if owns_keys(kernel) else "BLOCK_M"  # the tile each program owns
+            grid_block = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"  # the tile each program owns
             _launchable(tuner, traceable)[lambda m: _grid(kernel, seq_lens, bh, m[grid_block])](*args, **meta)
             if not traceable:
                 _tuned[key] = _tiles_of(tuner.best_config)
@@ -294,7 +276,7 @@ def _launch(kernel: str, seq_lens: tuple[int, int], bh: int, args: tuple, n_tens
         else:
             limit = _smem_limit(like.device.index or 0)
             tiles = _default_tiles(kernel, meta["BLOCK_D"], like.element_size(), limit)
-    own = tiles.block_n if owns_keys(kernel) else tiles.block_m
+    own = tiles.block_n if kernel == "dkdv" else tiles.block_m
     return _run(getattr(_kernels(), _KERNEL_NAMES[kernel]), _grid(kernel, seq_lens, bh, own), args, n_tensors,
                 {**meta, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n},
                 {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}, traceable)
@@ -430,26 +412,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
              do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
              traceable: bool = False, window: Optional[int] = None, softcap: Optional[float] = None,
-             doc_ids: Optional[torch.Tensor] = None,
-             deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}, or {"fused":
-    ...}) replaces the autotuner's configs of those kernels; traceable and the variants as in `forward`.
-
-    deterministic: dQ and dK/dV kernels, no atomics, bitwise reproducible (with GQA each key/value head's dK/dV
-    program sums over its query heads in turn). Else the fast backward: one dK/dV kernel that also adds dQ
-    atomically into an fp32 accumulator (the order of the additions varies from run to run)."""
+             doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by recomputation from lse, each like its input. tiles ({"dkdv": ..., "dq": ...}) replaces the
+    autotuner's configs of those kernels; traceable and the variants as in `forward`. With GQA, each key/value
+    head's dK/dV program sums over its query heads in turn: deterministic, no atomics."""
     dq, dk, dv, _ = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap,
-                              bounds_of(q, doc_ids), deterministic)
+                              bounds_of(q, doc_ids))
     return dq, dk, dv
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]], traceable: bool,
-              window: Optional[int], softcap: Optional[float], bounds: Optional[tuple],
-              deterministic: bool = True) -> tuple:
-    """(dq, dk, dv, launches): backward(), and its launches resolved, None unless all were; bounds as in _forward.
-    Deterministic: dQ (which writes delta), then dK/dV, which reads it. Fast: the delta pre-pass, dK/dV with atomic
-    dQ, the dQ conversion."""
+              window: Optional[int], softcap: Optional[float], bounds: Optional[tuple]) -> tuple:
+    """(dq, dk, dv, launches): backward(), and its launches resolved (dQ, then dK/dV, which reads the delta dQ
+    writes), None unless both were; bounds as in _forward."""
     tiles = tiles or {}
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
@@ -460,47 +436,28 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     dq, dk, dv = (empty_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = as_bhsd(dq), as_bhsd(dk), as_bhsd(dv)
     start, end, qk_scale, cap_scale, cap_log2e, window_arg = _variant_args(scale, window, softcap, bounds, lse)
-    numbers = (h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e, window_arg)
-
-    def dkdv_args(delta: torch.Tensor, dq_acc: torch.Tensor) -> tuple:
-        return (q4, k4, v4, do4, lse, delta, dk4, dv4, start, end, dq_acc, *_strides(q4), *_strides(k4),
-                *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4), *numbers)
-
+    rowsum = empty((b, h, n_q), torch.float32, q.device)  # delta = rowsum(dO * O): the dQ kernel writes it
     with on_device_of(q):
-        if deterministic:
-            rowsum = empty((b, h, n_q), torch.float32, q.device)  # delta = rowsum(dO * O): the dQ kernel writes it
-            args = (q4, k4, v4, o4, do4, lse, rowsum, dq4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
-                    *_strides(o4), *_strides(do4), *_strides(dq4), *numbers)
-            launches = (_launch("dq", (n_q, n_k), b * h, args, 10, meta, q, tiles.get("dq"), traceable),
-                        _launch("dkdv", (n_q, n_k), b * (h // groups), dkdv_args(rowsum, lse), 11,
-                                {**meta, "ATOMIC_DQ": False}, q, tiles.get("dkdv"), traceable))  # DQA: unread
-        else:
-            rowsum, delta_launch = delta_and_launch(o4, do4, traceable)
-            dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
-            fused = _launch("fused", (n_q, n_k), b * (h // groups), dkdv_args(rowsum, dq_acc), 11,
-                            {**meta, "ATOMIC_DQ": True}, q, tiles.get("fused"), traceable)
-            launches = (delta_launch, fused, _convert_dq(dq_acc, dq4, scale, traceable))
+        args = (q4, k4, v4, o4, do4, lse, rowsum, dq4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
+                *_strides(o4), *_strides(do4), *_strides(dq4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e,
+                window_arg)
+        dq_launch = _launch("dq", (n_q, n_k), b * h, args, 10, meta, q, tiles.get("dq"), traceable)
+        args = (q4, k4, v4, do4, lse, rowsum, dk4, dv4, start, end, *_strides(q4), *_strides(k4), *_strides(v4),
+                *_strides(do4), *_strides(dk4), *_strides(dv4), h, n_q, n_k, qk_scale, scale, cap_scale, cap_log2e,
+                window_arg)
+        dkdv_launch = _launch("dkdv", (n_q, n_k), b * (h // groups), args, 10, meta, q, tiles.get("dkdv"), traceable)
+    launches = (dq_launch, dkdv_launch)
     return dq, dk, dv, None if None in launches else launches
 
 
-def _convert_dq(dq_acc: torch.Tensor, dq4: torch.Tensor, scale: float, traceable: bool) -> Optional[Launch]:
-    """dq4 = scale * dq_acc in dq4's dtype (the fast backward's last step); its launch resolved (None when traced)."""
-    b, h, n_q, d = dq4.shape
-    return _run(_kernels().attn_bwd_dq_convert, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
-                (dq_acc, dq4, *_strides(dq4), h, n_q, scale), 2,
-                {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {}, traceable)
-
-
-def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor,
-                     traceable: bool = False) -> tuple[torch.Tensor, Optional[Launch]]:
-    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term the Hopper backward kernels and the
-    fast Triton backward read (the deterministic Triton dQ kernel computes its own); and its launch resolved (None
-    when traced)."""
+def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor) -> tuple[torch.Tensor, Launch]:
+    """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term the Hopper backward kernels read (the
+    Triton dQ kernel computes its own); and its launch resolved."""
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
     launch = _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
                   (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
-                  {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {}, traceable)
+                  {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {})
     return out, launch
 
 
@@ -568,29 +525,7 @@ class BackwardPlan:
         rowsum = empty(self.rowsum_shape, torch.float32, q.device)
         start, end = bounds or (lse, lse)
         self.dq(q, k, v, o, do, lse, rowsum, dq, start, end)
-        self.dkdv(q, k, v, do, lse, rowsum, dk, dv, start, end, lse)  # DQA: unread
-        return dq, dk, dv
-
-
-class FastBackwardPlan:
-    """The fast backward() of one input signature, resolved, called as BackwardPlan: the delta pre-pass, dK/dV with
-    atomic dQ into a zeroed fp32 accumulator, its conversion to dQ."""
-
-    __slots__ = ("delta", "fused", "convert", "rowsum_shape", "acc_shape")
-
-    def __init__(self, launches: tuple[Launch, Launch, Launch], rowsum_shape: tuple[int, ...],
-                 acc_shape: tuple[int, ...]):
-        (self.delta, self.fused, self.convert), self.rowsum_shape, self.acc_shape = launches, rowsum_shape, acc_shape
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 do: torch.Tensor, bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-        rowsum = empty(self.rowsum_shape, torch.float32, q.device)
-        dq_acc = torch.zeros(self.acc_shape, dtype=torch.float32, device=q.device)
-        start, end = bounds or (lse, lse)
-        self.delta(o, do, rowsum)
-        self.fused(q, k, v, do, lse, rowsum, dk, dv, start, end, dq_acc)
-        self.convert(dq_acc, dq)
+        self.dkdv(q, k, v, do, lse, rowsum, dk, dv, start, end)
         return dq, dk, dv
 
 
@@ -610,15 +545,10 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                      do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
                      softcap: Optional[float] = None, bounds: Optional[tuple] = None,
-                     tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False,
-                     deterministic: bool = True) -> tuple:
+                     tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False) -> tuple:
     """(dq, dk, dv, plan): backward(), and the plan that repeats it, as planned_forward. The plan needs lse
     contiguous, as forward() makes it."""
-    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, bounds,
-                                     deterministic)
+    dq, dk, dv, launches = _backward(q, k, v, o, lse, do, causal, scale, tiles, traceable, window, softcap, bounds)
     if launches is None or not plannable(q, k, v, o, do) or not lse.is_contiguous():
         return dq, dk, dv, None
-    rowsum_shape = tuple(as_bhsd(o).shape[:-1])
-    if deterministic:
-        return dq, dk, dv, BackwardPlan(launches, rowsum_shape)
-    return dq, dk, dv, FastBackwardPlan(launches, rowsum_shape, tuple(as_bhsd(q).shape))
+    return dq, dk, dv, BackwardPlan(launches, tuple(as_bhsd(o).shape[:-1]))

@@ -57,22 +57,6 @@ def _store_tile(ptrs, tile, rows, n_rows, offs_d, D: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
-def _atomic_add_tile(ptrs, tile, rows, n_rows, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     CHECK_ROWS: tl.constexpr):
-    """ptrs += tile atomically (fp32), skipping rows past n_rows (when CHECK_ROWS) and padded head-dim columns."""
-    if CHECK_ROWS:
-        if BLOCK_D == D:
-            tl.atomic_add(ptrs, tile, mask=rows[:, None] < n_rows, sem="relaxed")
-        else:
-            tl.atomic_add(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), sem="relaxed")
-    else:
-        if BLOCK_D == D:
-            tl.atomic_add(ptrs, tile, sem="relaxed")
-        else:
-            tl.atomic_add(ptrs, tile, mask=offs_d[None, :] < D, sem="relaxed")
-
-
-@triton.jit
 def _tanh(x):
     # tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends (e^2x -> inf gives 1, -> 0 gives -1), an absolute error of
     # about one fp32 ulp near 0, which is what the capped score needs.
@@ -373,9 +357,8 @@ def _streamed_tiles(items, ITEMS, N, window, START, END, CAUSAL: tl.constexpr, W
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Backward, deterministic: dQ (program per query tile; it writes delta), then dK/dV (program per key tile). No
-# atomics. Fast: the delta pre-pass (also the Hopper backward's, whose dK/dV and dQ kernels run side by side), then
-# dK/dV with ATOMIC_DQ, which adds dQ atomically into an fp32 accumulator, then attn_bwd_dq_convert.
+# Backward: dQ (program per query tile; it writes delta), then dK/dV (program per key tile). No atomics. The delta
+# pre-pass is the Hopper backward's, whose dK/dV and dQ kernels run side by side.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -405,15 +388,14 @@ def attn_bwd_delta(
 
 @triton.jit
 def _dkdv_q_loop(
-    dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+    dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
     offs_n, offs_m, offs_d, lo, hi, N_Q, qk_scale, cap_scale, cap_log2e, N_K, window, key_start, START,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = False, VARIANT_MASK: tl.constexpr = False, CAUSAL: tl.constexpr = False,
-    WINDOW: tl.constexpr = False, DOCS: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, DOCS: tl.constexpr = False,
 ):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi), working with transposed scores. ATOMIC_DQ: also
-    add each query tile's dS K (unscaled) to the fp32 dQ accumulator DQA ((N_Q, D) rows of this head) atomically."""
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi), working with transposed scores."""
     q_ptrs = Q + (lo + offs_m).to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = DO + (lo + offs_m).to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod
     for start_m in range(lo, hi, BLOCK_M):
@@ -445,20 +427,11 @@ def _dkdv_q_loop(
             p_t = tl.where(keep, p_t, 0.0)
         elif CAUSAL_MASK:
             p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
-        elif ATOMIC_DQ:
-            # Keys past N_K (zeros) have s = 0, and exp2(-lse2) can overflow when every real score is very
-            # negative: harmless in their dK, dV rows (never stored), NaN in dQ, which sums over keys.
-            p_t = tl.where(offs_n[:, None] < N_K, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)  # d(c tanh(s / c)) / ds
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
-            _atomic_add_tile(DQA + rows.to(tl.int64)[:, None] * D + offs_d[None, :], dq, rows, N_Q, offs_d, D,
-                             BLOCK_D, CHECK_ROWS)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
     return dk, dv
@@ -466,14 +439,13 @@ def _dkdv_q_loop(
 
 @triton.jit
 def _dkdv_one_head(
-    dk, dv, k, v, Q, DO, L, DELTA, DQA, START, END, stride_qm, stride_qd, stride_dom, stride_dod,
+    dk, dv, k, v, Q, DO, L, DELTA, START, END, stride_qm, stride_qd, stride_dom, stride_dod,
     offs_n, offs_m, offs_d, pid_n, N_Q, N_K, qk_scale, cap_scale, cap_log2e, window,
     D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOCS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Add the contributions of one query head's rows (Q, DO, L, DELTA, DQA at that head) to a key tile's dK, dV
-    (and, with ATOMIC_DQ, to that head's dQ accumulator)."""
+    """Add the contributions of one query head's rows (Q, DO, L, DELTA at that head) to a key tile's dK, dV."""
     full_q_hi = (N_Q // BLOCK_M) * BLOCK_M  # query tiles below this need no row mask
     if WINDOW or DOCS:
         key_start = offs_n
@@ -482,19 +454,19 @@ def _dkdv_one_head(
         lo, full_lo, full_hi, hi = _query_bounds(pid_n * BLOCK_N, N_Q, N_K, window, START, END,
                                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, lo, full_lo, N_Q, qk_scale, cap_scale, cap_log2e, N_K, window, key_start, START,
-            D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP, True, CAUSAL, WINDOW, DOCS, ATOMIC_DQ=ATOMIC_DQ,
+            D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP, True, CAUSAL, WINDOW, DOCS,
         )
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, full_lo, full_hi, N_Q, qk_scale, cap_scale, cap_log2e, N_K, window, key_start,
-            START, D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, SOFTCAP, False, CAUSAL, WINDOW, DOCS, ATOMIC_DQ=ATOMIC_DQ,
+            START, D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, SOFTCAP, False, CAUSAL, WINDOW, DOCS,
         )
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, full_hi, hi, N_Q, qk_scale, cap_scale, cap_log2e, N_K, window, key_start, START,
-            D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP, True, CAUSAL, WINDOW, DOCS, ATOMIC_DQ=ATOMIC_DQ,
+            D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP, True, CAUSAL, WINDOW, DOCS,
         )
     elif CAUSAL:
         # Queries above the key tile see none of its keys: skipped. BLOCK_N % BLOCK_M == 0, so the band
@@ -502,37 +474,37 @@ def _dkdv_one_head(
         band_lo = pid_n * BLOCK_N
         band_hi = band_lo + BLOCK_N
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, band_lo, tl.minimum(band_hi, N_Q), N_Q, qk_scale, cap_scale, cap_log2e, N_K,
-            window, offs_n, START, D, BLOCK_D, BLOCK_M, True, True, DOT_PRECISION, SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+            window, offs_n, START, D, BLOCK_D, BLOCK_M, True, True, DOT_PRECISION, SOFTCAP,
         )
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, band_hi, full_q_hi, N_Q, qk_scale, cap_scale, cap_log2e, N_K,
-            window, offs_n, START, D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+            window, offs_n, START, D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, SOFTCAP,
         )
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, tl.maximum(band_hi, full_q_hi), N_Q, N_Q, qk_scale, cap_scale, cap_log2e, N_K,
-            window, offs_n, START, D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+            window, offs_n, START, D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP,
         )
     else:
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, 0, full_q_hi, N_Q, qk_scale, cap_scale, cap_log2e, N_K,
-            window, offs_n, START, D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+            window, offs_n, START, D, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, SOFTCAP,
         )
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, Q, DO, L, DELTA, DQA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_m, offs_d, full_q_hi, N_Q, N_Q, qk_scale, cap_scale, cap_log2e, N_K,
-            window, offs_n, START, D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+            window, offs_n, START, D, BLOCK_D, BLOCK_M, True, False, DOT_PRECISION, SOFTCAP,
         )
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, L, DELTA, DK, DV, START, END, DQA,
+    Q, K, V, DO, L, DELTA, DK, DV, START, END,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -542,14 +514,10 @@ def attn_bwd_dkdv(
     H, N_Q, N_K, qk_scale, scale, cap_scale, cap_log2e, window,
     D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOCS: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV for one key tile of one (batch, key/value head): k and v stay on chip, the query tiles of each query
-    head of its group stream past (GROUP of them, one after another: no atomics, a fixed order of the sum).
-
-    ATOMIC_DQ (the fast backward): each query tile's dS K is also added atomically to DQA, an fp32 (batch, heads,
-    N_Q, D) dQ accumulator zeroed before the launch and scaled and cast after it (attn_bwd_dq_convert); DELTA then
-    comes from the attn_bwd_delta pre-pass. Without it DQA is never read and the kernel compiles as before."""
+    head of its group stream past (GROUP of them, one after another: no atomics, a fixed order of the sum)."""
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 from Inductor, see attn_fwd
     cap_scale, cap_log2e = tl.cast(cap_scale, tl.float32), tl.cast(cap_log2e, tl.float32)
     pid_n = tl.program_id(0)  # causal: the first key tiles have the most query tiles, and launch first
@@ -579,20 +547,20 @@ def attn_bwd_dkdv(
         h = h_kv
         dk, dv = _dkdv_one_head(
             dk, dv, k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
-            L + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q, DQA + (b * H + h) * N_Q * D, START, END,
+            L + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q, START, END,
             stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_m, offs_d, pid_n, N_Q, N_K,
             qk_scale, cap_scale, cap_log2e, window,
-            D, BLOCK_D, CAUSAL, DOT_PRECISION, WINDOW, SOFTCAP, DOCS, BLOCK_M, BLOCK_N, ATOMIC_DQ,
+            D, BLOCK_D, CAUSAL, DOT_PRECISION, WINDOW, SOFTCAP, DOCS, BLOCK_M, BLOCK_N,
         )
     else:
         for g in range(GROUP):
             h = h_kv * GROUP + g
             dk, dv = _dkdv_one_head(
                 dk, dv, k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
-                L + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q, DQA + (b * H + h) * N_Q * D, START, END,
+                L + (b * H + h) * N_Q, DELTA + (b * H + h) * N_Q, START, END,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_m, offs_d, pid_n, N_Q, N_K,
                 qk_scale, cap_scale, cap_log2e, window,
-                D, BLOCK_D, CAUSAL, DOT_PRECISION, WINDOW, SOFTCAP, DOCS, BLOCK_M, BLOCK_N, ATOMIC_DQ,
+                D, BLOCK_D, CAUSAL, DOT_PRECISION, WINDOW, SOFTCAP, DOCS, BLOCK_M, BLOCK_N,
             )
 
     dk *= scale  # dS was taken w.r.t. the scaled scores
@@ -600,29 +568,6 @@ def attn_bwd_dkdv(
                 offs_n, N_K, offs_d, D, BLOCK_D)
     _store_tile(DV + rows_n * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
                 offs_n, N_K, offs_d, D, BLOCK_D)
-
-
-@triton.jit
-def attn_bwd_dq_convert(
-    DQA, DQ,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, N_Q, scale,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """DQ = scale * DQA in DQ's dtype and memory order: the fast backward's fp32 (batch, heads, N_Q, D) dQ
-    accumulator, summed atomically over key tiles, made the gradient."""
-    scale = tl.cast(scale, tl.float32)  # fp64 from Inductor, see attn_fwd
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)[:, None]
-    acc = _load_tile(DQA + bh.to(tl.int64) * N_Q * D + rows * D + offs_d[None, :], offs_m, N_Q, offs_d, D, BLOCK_D,
-                     True)
-    _store_tile(DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd,
-                (acc * scale).to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, D, BLOCK_D)
 
 
 @triton.jit

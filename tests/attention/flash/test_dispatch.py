@@ -16,7 +16,6 @@ import torch
 import attention
 from attention import UnsupportedInputError, flash_kernels, get_attention, use_kernels
 from attention.flash import KernelChoice, dispatch, flash_backward, flash_forward
-from attention.flash.dispatch import BACKWARD_MODES
 from attention.flash.hopper import host as hopper, inputs as hopper_inputs
 from attention.flash.triton import host as flash_triton
 from tests.attention.conftest import random_doc_ids, randn
@@ -42,9 +41,7 @@ def test_choice_is_exported_next_to_why_not():
     assert attention.flash_kernels is attention.flash.choose_kernels
     choice = flash_kernels(*qkv(*SHORT, dtype=torch.float32), causal=True)
     assert isinstance(choice, KernelChoice)
-    assert str(choice) == (f"forward {choice.forward_reason}; backward {choice.backward_reason}; "
-                           f"{choice.backward_mode} backward ({BACKWARD_MODES[choice.backward_mode]}): "
-                           f"{choice.mode_reason}")
+    assert str(choice) == f"forward {choice.forward_reason}; backward {choice.backward_reason}"
 
 
 @pytest.mark.skipif(CUDA, reason="the answer for CPU tensors")
@@ -66,7 +63,7 @@ def test_cpu_tensors_run_the_triton_kernels(shape):
 ], ids=["short", "long", "seq1000", "fp32"])
 def test_choice_for_an_sm90_gpu(shape, dtype, kernel, reason):
     choice = flash_kernels(*qkv(*shape, dtype=dtype), causal=True, capability=SM90)
-    assert choice == KernelChoice(kernel, kernel, reason, reason, *dispatch._backward_mode(kernel, None))
+    assert choice == KernelChoice(kernel, kernel, reason, reason)
 
 
 def test_other_gpus_run_the_triton_kernels():
@@ -144,8 +141,7 @@ def test_long_causal_bf16_runs_the_hopper_kernels_on_sm90(monkeypatch):
     q, k, v = (torch.randn(*LONG, dtype=torch.bfloat16, device="cuda").requires_grad_() for _ in range(3))
     choice = flash_kernels(q, k, v, causal=True)
     assert choice == KernelChoice("hopper", "hopper", "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)",
-                                  "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)",
-                                  *dispatch._backward_mode("hopper", None))
+                                  "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)")
     o = get_attention("flash")(q, k, v, causal=True)
     # A dense upstream gradient: .sum() would hand the backward a stride-0 dO, which the Hopper kernels refuse.
     o.backward(torch.randn_like(o))

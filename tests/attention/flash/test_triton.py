@@ -41,7 +41,7 @@ def test_matches_float64_reference(flash_case, dtype, check_flash):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_backward_is_bitwise_deterministic(dtype):
     q, k, v = (randn(1, 2, 100, 48, dtype=dtype, seed=s).requires_grad_() for s in range(3))
-    o = FlashAttention.apply(q, k, v, True, None, None, None, None, True)  # deterministic=True
+    o = FlashAttention.apply(q, k, v, True)
     do = randn(*o.shape, dtype=dtype, seed=3)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     second = torch.autograd.grad(o, (q, k, v), do)
@@ -109,13 +109,13 @@ def test_fp32_products_are_3xtf32_up_to_d128(dtype, d, expected):
 
 
 def test_tile_configs_keep_the_causal_band_whole_tiles():
-    """fwd and dq step keys inside a query tile (BLOCK_M % BLOCK_N == 0); dkdv and fused the reverse."""
+    """fwd and dq step keys inside a query tile (BLOCK_M % BLOCK_N == 0); dkdv the reverse."""
     tables = [flash_triton.SEARCH_SPACES, flash_triton.DEFAULT_TILES,
               {k: [t] for k, t in flash_triton.INTERPRET_TILES.items()}]
     for table in tables:
         for kernel, tiles in table.items():
             for t in tiles:
-                big, small = (t.block_n, t.block_m) if flash_triton.owns_keys(kernel) else (t.block_m, t.block_n)
+                big, small = (t.block_n, t.block_m) if kernel == "dkdv" else (t.block_m, t.block_n)
                 assert big % small == 0 and small >= 16, f"{kernel} {t}"
 
 
