@@ -27,7 +27,10 @@ def inputs(length: int, n_new: int = 1, dtype=torch.float32, heads: int = 2, d: 
     return q, k, v, cache_len
 
 
-@pytest.mark.parametrize("length,splits", CASES, ids=[f"len{n}" for n, _ in CASES])
+# The longest cache takes seconds in the interpreter: it runs with -m slow.
+@pytest.mark.parametrize("length,splits", [pytest.param(n, s, id=f"len{n}",
+                                                        marks=[pytest.mark.slow] if n > 1000 else [])
+                                           for n, s in CASES])
 def test_kernel_matches_float64(length, splits):
     q, k, v, cache_len = inputs(length)
     scale = 1 / math.sqrt(q.shape[-1])
