@@ -43,6 +43,7 @@ def row(rows, backend, seq, d):
     return match
 
 
+@pytest.mark.slow  # the sweep (the fixture): most of a minute on 2 CPU cores
 def test_sweep_runs_every_point_and_backend(sweep):
     result, _ = sweep
     backends = sweep_backends()
@@ -53,6 +54,7 @@ def test_sweep_runs_every_point_and_backend(sweep):
     assert [(r["seq"], r["d_head"]) for r in result.rows[:: len(backends)]] == [(16, 16), (32, 16), (16, 32), (32, 32)]
 
 
+@pytest.mark.slow  # the sweep (the fixture): most of a minute on 2 CPU cores
 def test_ok_rows_have_times_tflops_and_small_errors(sweep):
     result, _ = sweep
     ok = [r for r in result.rows if r["status"] == "ok"]
@@ -74,6 +76,7 @@ def test_ok_rows_have_times_tflops_and_small_errors(sweep):
         "saved_tensors_mib"]
 
 
+@pytest.mark.slow  # the sweep (the fixture): most of a minute on 2 CPU cores
 def test_flash_rows_and_report_say_which_kernels_ran(sweep):
     result, out = sweep
     if "flash" not in sweep_backends():
@@ -87,6 +90,7 @@ def test_flash_rows_and_report_say_which_kernels_ran(sweep):
     assert "## Kernels flash ran (Triton or Hopper), and why" in (out / "results.md").read_text()
 
 
+@pytest.mark.slow  # the sweep (the fixture): most of a minute on 2 CPU cores
 def test_baseline_ratio(sweep):
     result, _ = sweep
     for r in result.rows:
@@ -97,6 +101,7 @@ def test_baseline_ratio(sweep):
             assert r["fwd_ratio"] == pytest.approx(r["fwd_ms"] / base["fwd_ms"])
 
 
+@pytest.mark.slow  # the sweep (the fixture): most of a minute on 2 CPU cores
 def test_injected_oom_is_a_row_and_the_sweep_goes_on(sweep):
     result, _ = sweep
     oom = row(result.rows, "sdpa", 16, 16)
@@ -106,6 +111,7 @@ def test_injected_oom_is_a_row_and_the_sweep_goes_on(sweep):
     assert row(result.rows, "flash-torch", 16, 16)["status"] == "ok"  # next backend at the same point
 
 
+@pytest.mark.slow  # the sweep (the fixture): most of a minute on 2 CPU cores
 def test_output_files(sweep):
     result, out = sweep
     csv_rows = read_csv(out / "results.csv")
@@ -138,6 +144,7 @@ def row_csv(rows, backend):
     return next(r for r in rows if r["backend"] == backend)
 
 
+@pytest.mark.slow  # bench_attention.py end to end
 def test_explain_memory_prints_expected_and_measured(capsys, tmp_path):
     # On the CPU on every machine: the byte counts below are those of the CPU kernels (CUDA's sdpa saves more).
     result = bench_attention.main(["--explain-memory", "--backends", "naive,sdpa", "--seq-lens", "16,64",
@@ -252,6 +259,7 @@ def test_listed_point_presets():
     assert [p.causal for p in training.points()].count(False) == 1
 
 
+@pytest.mark.slow  # two sweeps, flash's in the interpreter
 def test_variant_flags_measure_every_backend_against_the_float64_reference(tmp_path):
     names = [n for n in ("naive", "sdpa", "flash-torch", "flash") if n in {b.name for b in list_attention()
                                                                           if b.available}]
@@ -271,6 +279,7 @@ def test_variant_flags_measure_every_backend_against_the_float64_reference(tmp_p
     assert "softcap=5" in text and "does not support logit soft-capping" in text
 
 
+@pytest.mark.slow  # bench_attention.py end to end
 def test_an_out_folder_with_an_earlier_run_is_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     argv = ["--backends", "naive", "--seq-lens", "16", "--d-heads", "16", "--heads", "1", "--iters", "1", "--warmup",
@@ -312,6 +321,7 @@ def test_a_sweep_that_cannot_run_here_is_refused(capsys):
     assert err.startswith("error: none of --backends can run here: sdpa-flash: needs a CUDA GPU")
 
 
+@pytest.mark.slow  # bench_attention.py in a subprocess
 def test_piped_progress_is_plain_lines(tmp_path):
     """A log file gets lines, never the carriage returns of a bar."""
     argv = ["--backends", "naive,sdpa", "--seq-lens", "16,32", "--d-heads", "16", "--heads", "1", "--iters", "1",

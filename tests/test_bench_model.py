@@ -34,6 +34,7 @@ def sweep(tmp_path_factory):
     return rows, out
 
 
+@pytest.mark.slow  # the sweep: six configurations
 def test_every_mode_and_context_gets_a_row_with_positive_figures(sweep):
     rows, _ = sweep
     assert [(r["context_length"], r["mode"]) for r in rows] == [
@@ -57,6 +58,7 @@ def test_every_mode_and_context_gets_a_row_with_positive_figures(sweep):
         assert r["mfu"] is None and r["peak_mem_gib"] is None  # CPU: no peak FLOPs, no allocator stats
 
 
+@pytest.mark.slow  # the sweep: six configurations
 def test_output_files_have_the_documented_columns(sweep):
     rows, out = sweep
     with (out / "results.csv").open() as f:
@@ -78,6 +80,7 @@ def test_output_files_have_the_documented_columns(sweep):
         assert (out / f"step_time_{mode}.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the profiler
 def test_profile_writes_a_trace_and_a_cpu_op_table(tmp_path, capsys):
     prof = tmp_path / "prof"
     rows = bench_model.main([*TINY, "--context-lengths", "16", "--attn", "naive", "--mode", "train-step",
@@ -90,6 +93,7 @@ def test_profile_writes_a_trace_and_a_cpu_op_table(tmp_path, capsys):
     assert "CPU ops by self CPU time" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the profiler
 def test_profile_of_several_configurations_gets_one_folder_each(tmp_path):
     prof = tmp_path / "prof"
     bench_model.main([*TINY, "--context-lengths", "16,32", "--mode", "forward", "--profile", str(prof),
@@ -118,6 +122,7 @@ def test_memory_snapshot_on_cuda_prints_what_is_live_at_the_peak(tmp_path, capsy
     assert list(tmp_path.glob("s*.pickle"))
 
 
+@pytest.mark.slow  # a sweep of three
 def test_injected_oom_gives_an_oom_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(INJECT_OOM_ENV, "T=32")
     rows = bench_model.main([*TINY, "--context-lengths", "16,32,48", "--mode", "forward",
@@ -138,6 +143,7 @@ def test_backend_that_cannot_run_here_is_a_row_not_a_crash(tmp_path):
     assert "CUDA" in rows[0]["message"]
 
 
+@pytest.mark.slow  # bench_model.py end to end
 def test_explain_memory_prints_the_breakdown_beside_the_measurement(tmp_path, capsys):
     rows = bench_model.main([*TINY, "--context-lengths", "32", "--attn", "naive", "--mode", "train-step",
                              "--explain-memory", "--out", str(tmp_path)])
@@ -154,6 +160,7 @@ def test_explain_memory_prints_the_breakdown_beside_the_measurement(tmp_path, ca
     assert rows[0]["status"] == "ok"
 
 
+@pytest.mark.slow  # bench_model.py end to end
 def test_nvtx_ranges_cover_warmup_steps_phases_and_attention(tmp_path, monkeypatch):
     pushed = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", pushed.append)
@@ -234,6 +241,7 @@ def test_the_parallel_baseline_is_the_same_config_without_the_overlapped_optimiz
     assert row["overlap_optimizer"] is False and "parallel" not in row
 
 
+@pytest.mark.slow  # a sweep of two
 def test_the_optimizer_list_gives_a_row_per_optimizer(tmp_path):
     rows = bench_model.main([*TINY, "--context-lengths", "16", "--mode", "train-step", "--attn", "naive",
                              "--optimizer", "adamw,adamw-bf16", "--out", str(tmp_path)])
@@ -246,6 +254,7 @@ def test_the_optimizer_list_gives_a_row_per_optimizer(tmp_path):
     assert set(optimizer_names()) >= {"adamw", "adamw-bf16"}
 
 
+@pytest.mark.slow  # a sweep of two
 def test_n_kv_heads_builds_gqa_models(tmp_path):
     rows = bench_model.main([*TINY, "--n-kv-heads", "2", "--context-lengths", "16", "--mode", "train-step",
                              "--attn", "naive,sdpa", "--out", str(tmp_path)])
@@ -264,6 +273,7 @@ class _FrozenClock(datetime.datetime):
         return cls(2025, 1, 2, 3, 4, 5)
 
 
+@pytest.mark.slow  # two runs of bench_model.py
 def test_without_out_each_run_writes_a_new_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(benchmarking.output, "datetime", _FrozenClock)  # two runs in the same second

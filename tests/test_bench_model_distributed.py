@@ -29,6 +29,7 @@ def run_bench(tmp_path: Path, *extra: str) -> tuple[list[dict], Path, list]:
     return json.loads((out / "results.json").read_text())["rows"], out, results
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_ddp_rows_report_scaling_efficiency_against_one_device(tmp_path):
     rows, out, results = run_bench(tmp_path, "--parallel", "ddp", "--mode", "train-step,forward-backward")
     assert [r["mode"] for r in rows] == ["train-step", "forward-backward"]
@@ -52,6 +53,7 @@ def test_ddp_rows_report_scaling_efficiency_against_one_device(tmp_path):
     assert "2 configurations on" in results[0].stdout and results[1].stdout == ""  # rank 0 alone prints
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_fsdp_runs_every_mode(tmp_path):
     rows, _, _ = run_bench(tmp_path, "--parallel", "fsdp", "--mode", "forward,train-step")
     assert [(r["mode"], r["status"], r["parallel"], r["world_size"]) for r in rows] == [

@@ -30,6 +30,7 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # the module's comparison (compared) trains two recipes
 def test_each_recipe_trains_for_the_budget_with_evaluations_every_interval(compared):
     rows, out = compared
     assert [(r["recipe"], r["optimizer"], r["status"]) for r in rows] == [("adamw", "adamw", "ok"),
@@ -47,6 +48,7 @@ def test_each_recipe_trains_for_the_budget_with_evaluations_every_interval(compa
         assert float(points[-1]["val_bpb"]) == r["final_bpb"] < float(points[0]["val_bpb"])  # it learned
 
 
+@pytest.mark.slow  # the module's comparison (compared) trains two recipes
 def test_the_target_is_the_first_recipes_final_value_and_each_says_when_it_got_there(compared):
     rows, out = compared
     adamw, muon = rows
@@ -66,6 +68,7 @@ def test_the_target_is_the_first_recipes_final_value_and_each_says_when_it_got_t
     assert "![validation bits per byte against seconds of training](curves.png)" in md and "## Environment" in md
 
 
+@pytest.mark.slow  # the module's comparison (compared) trains two recipes
 def test_the_files_hold_the_rows_the_curves_and_each_recipes_configuration(compared):
     rows, out = compared
     table = read_csv(out / "results.csv")
@@ -84,6 +87,7 @@ def test_the_files_hold_the_rows_the_curves_and_each_recipes_configuration(compa
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+@pytest.mark.slow  # bench_model.py trains for seconds
 def test_a_stop_keeps_what_was_measured(tmp_path, text_file, monkeypatch):
     """SIGTERM or Ctrl-C during the second recipe: exit 130, the first recipe's row whole, the second's evaluations
     so far, the files written."""

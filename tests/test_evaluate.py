@@ -36,6 +36,7 @@ def run_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # the module's run (byte_run) trains
 def test_evaluation_repeats_the_val_loss_the_run_logged(byte_run, capsys):
     out, last = byte_run
     result = run_json(capsys, str(out))
@@ -45,6 +46,7 @@ def test_evaluation_repeats_the_val_loss_the_run_logged(byte_run, capsys):
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
 
 
+@pytest.mark.slow  # the module's run (byte_run) trains
 def test_full_split_and_train_split(byte_run, capsys):
     out, _ = byte_run
     full = run_json(capsys, str(out / "checkpoint-12.safetensors"), "--full")
@@ -56,6 +58,7 @@ def test_full_split_and_train_split(byte_run, capsys):
     assert "bits per byte" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the module's run (byte_run) trains
 def test_mismatched_data_and_missing_checkpoints_are_one_line_errors(byte_run, tmp_path, capsys):
     out, _ = byte_run
     corpus = tmp_path / "corpus"

@@ -48,6 +48,7 @@ def logits_of(directory: Path, ids: torch.Tensor) -> torch.Tensor:
         return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()(ids).logits
 
 
+@pytest.mark.slow  # a run of train.py, then transformers
 def test_a_bpe_run_exports_what_transformers_loads_with_our_logits_and_tokenizer(bpe_run, tmp_path, capsys):
     out = tmp_path / "llama"
     assert export.main([str(bpe_run), "--to", "hf", str(out)]) == 0
@@ -201,6 +202,7 @@ def test_no_checkpoint_is_one_line(tmp_path, capsys):
                                       f"{tmp_path}`)\n"
 
 
+@pytest.mark.slow  # a run of train.py, then transformers
 def test_a_byte_level_run_exports_without_a_tokenizer(tmp_path, text_file):
     """A run on text read as bytes records data.json without a tokenizer: the export writes the model alone."""
     out = tmp_path / "run"

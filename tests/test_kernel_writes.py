@@ -11,6 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Every test reads the analysis of a fresh Python that compiles the kernels for sm_90.
+pytestmark = pytest.mark.slow
+
 OUTPUTS = {
     "silu_mul": ["out_ptr"],
     "silu_mul_backward": ["grad_gate_up_ptr"],

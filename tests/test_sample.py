@@ -58,7 +58,7 @@ def test_the_newest_checkpoint_is_read(tmp_path, capsys):
     assert "checkpoint-12.safetensors (step 12)" in run(capsys, "--out", str(tmp_path), "--max-new-tokens", "1")[2]
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["config", "earlier-version"])
+@pytest.mark.parametrize("legacy", [pytest.param(False, marks=pytest.mark.slow), True], ids=["config", "earlier-version"])
 def test_greedy_equals_the_model_argmax(tmp_path, capsys, legacy):
     path = write_run(tmp_path, legacy=legacy)
     model = TransformerLM(CFG)
@@ -123,6 +123,7 @@ def test_a_bad_flag_is_one_line_without_usage(capsys, argv, named):
     assert named in captured.err and "usage" not in captured.err
 
 
+@pytest.mark.slow  # a run of train.py, then sampling
 def test_a_run_on_prepared_data_samples_with_its_tokenizer(tmp_path, capsys):
     import json
 
@@ -148,6 +149,7 @@ def test_a_run_on_prepared_data_samples_with_its_tokenizer(tmp_path, capsys):
     assert code == 0 and out.rstrip("\n") == tokenizer.decode(ids)
 
 
+@pytest.mark.slow  # a run of train.py, then sampling
 def test_a_model_with_attention_variants_samples_greedily_like_its_full_forward(tmp_path, capsys):
     """GQA, local/global windows and softcap: sdpa (the run's) cannot softcap, so sampling falls back to naive."""
     cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=2, window=3, window_pattern="LG", attn_softcap=10.0)

@@ -51,6 +51,7 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(directory.rglob("*"))}
 
 
+@pytest.mark.slow  # 80 steps (the short runs below stay in the fast set)
 def test_loss_falls(tmp_path, text_file):
     code, rows, out = run(tmp_path, text_file, "--steps", "80", "--log-every", "5", "--eval-every", "40")
     assert code == 0
@@ -62,6 +63,7 @@ def test_loss_falls(tmp_path, text_file):
     assert checkpoint.load(out / "checkpoint-80.safetensors")["step"] == 80
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_ctrl_c_checkpoints_and_resume_reproduces_losses(tmp_path, text_file, monkeypatch):
     args = ("--steps", "16", "--log-every", "1", "--eval-every", "0", "--ckpt-every", "100")
     code, straight, _ = run(tmp_path, text_file, *args, name="straight")
@@ -103,6 +105,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, text_file,
     assert checkpoint.load(out / "checkpoint-5.safetensors")["step"] == 5
 
 
+@pytest.mark.slow  # train.py runs
 def test_the_summary_names_the_checkpoint_the_wandb_run_and_commands_that_work(tmp_path, text_file, capsys):
     """An offline W&B run holds the logged keys; the summary names the checkpoint, the metrics, the W&B directory
     with its sync command, and sample/evaluate/resume commands, which run as printed."""
@@ -140,6 +143,7 @@ def test_the_summary_names_the_checkpoint_the_wandb_run_and_commands_that_work(t
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-6)
 
 
+@pytest.mark.slow  # train.py in a subprocess
 def test_progress_lines_when_piped(tmp_path, text_file):
     """train.py with its output piped: the first line in words, the description, a progress line at once after
     step 1 (no warm-up on the CPU) and at each log step, with the time left; no carriage return; the summary."""
@@ -167,6 +171,7 @@ def test_progress_lines_when_piped(tmp_path, text_file):
     assert not list(out.glob("checkpoint*"))  # --keep-checkpoints 0 writes none
 
 
+@pytest.mark.slow  # train.py runs
 def test_the_default_warm_up_is_at_most_a_tenth_of_the_run(tmp_path, text_file):
     flags = [f for f in TINY if f not in ("--warmup-steps", "5")]
     out = tmp_path / "run"
@@ -182,6 +187,7 @@ def test_the_default_warm_up_is_at_most_a_tenth_of_the_run(tmp_path, text_file):
         assert resolve(config, explicit).config.optim.warmup_steps == warmup
 
 
+@pytest.mark.slow  # two runs of train.py
 def test_config_json_reproduces_the_run(tmp_path, text_file, capsys):
     """train.py writes <out>/config.json, resolved; `--config <that file> --out Y` runs the same configuration,
     with the same losses."""
@@ -202,6 +208,7 @@ def test_config_json_reproduces_the_run(tmp_path, text_file, capsys):
                                 for r, a in zip(first, read_rows(again), strict=True)]
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     assert train.main(["--size", "tiny", "--context-length", "128", "--batch-size", "8", "--steps", "1", "--out",
@@ -290,6 +297,7 @@ def test_help_lists_the_main_flags_and_the_others_are_accepted(capsys):
     assert {"log_every", "keep_checkpoints", "min_lr", "window_pattern"} <= explicit
 
 
+@pytest.mark.slow  # train.py runs
 def test_a_batch_the_micro_batches_do_not_divide_leaves_the_earlier_run_in_place(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     base = [*TINY, "--out", str(out), "--wandb", "disabled", "--steps", "1", "--data", str(text_file)]
@@ -300,6 +308,7 @@ def test_a_batch_the_micro_batches_do_not_divide_leaves_the_earlier_run_in_place
     assert sorted(p.name for p in out.iterdir()) == before and not list(tmp_path.glob("run.old-*"))
 
 
+@pytest.mark.slow  # two runs of train.py
 def test_micro_batches_train_and_evaluate_like_the_whole_batch(tmp_path, text_file):
     flags = ("--steps", "3", "--log-every", "1", "--eval-every", "3", "--grad-clip", "0")
     whole = run(tmp_path, text_file, *flags, name="whole")[1]
@@ -317,6 +326,7 @@ def test_corpus_shorter_than_a_window(tmp_path, capsys):
     assert "too short for a training and a validation window of context length 32" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_a_checkpoint_of_the_earlier_version_resumes_with_the_same_losses(tmp_path, text_file, capsys):
     """A run of the earlier version: no config.json, its checkpoint keyed "model_config" (with the switches since
     retired, and the attention backend) and "args", its optimizer state keyed by index. It is refused for another
@@ -348,6 +358,7 @@ def test_a_checkpoint_of_the_earlier_version_resumes_with_the_same_losses(tmp_pa
     assert checkpoint.load(old / "checkpoint-4.safetensors")["config"]["model"] == state["config"]["model"]
 
 
+@pytest.mark.slow  # torch.compile
 def test_compile_trains_like_eager(tmp_path, text_file, monkeypatch):
     """train.py's --compile plumbing; aot_eager for speed (Inductor's numerics: tests/training/test_compilation.py)."""
     from torch._dynamo.backends.debugging import aot_eager
@@ -398,6 +409,7 @@ def test_cuda_graph_trains_like_the_plain_step_and_resumes(tmp_path, text_file):
     assert code == 0
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_without_clipping_the_optimizer_steps_in_the_backward_and_checkpoints_interchange(tmp_path, text_file,
                                                                                            capsys):
     """--grad-clip 0 steps each parameter during the backward: the same losses and gradient norms as one optimizer

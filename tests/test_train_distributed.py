@@ -84,6 +84,7 @@ def fsdp_run(tmp_path_factory, text_file) -> Path:
     return out
 
 
+@pytest.mark.slow  # two processes over gloo, and one
 def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     out = tmp_path / "ddp"
     results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs")
@@ -104,6 +105,7 @@ def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     assert results[1].stdout == ""
 
 
+@pytest.mark.slow  # two processes over gloo
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_accumulated_micro_batches_train_like_one_process(tmp_path, text_file, one_process, parallel):
     """--grad-accum-steps 2 over 2 ranks: micro-batches of one sequence, gradients reduced after the second only."""
@@ -113,6 +115,7 @@ def test_accumulated_micro_batches_train_like_one_process(tmp_path, text_file, o
     assert_same_training(rows(out), rows(one_process))
 
 
+@pytest.mark.slow  # two processes over gloo, and one
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw-bf16"])
 def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_file, optimizer):
     # Under bf16 autocast the Linears' fp32 weight gradients (model/layers.py) are what DDP all-reduces; with
@@ -128,6 +131,7 @@ def test_ddp_bf16_with_fp32_weight_grads_trains_like_one_process(tmp_path, text_
     assert_same_training(rows(ddp), rows(one), loss_rtol=1e-3, norm_rtol=1e-3)
 
 
+@pytest.mark.slow  # two processes over gloo, and one
 def test_ddp_with_muon_trains_like_one_process(tmp_path, text_file):
     """Muon over DDP: every rank orthogonalises the same all-reduced gradients, so the ranks stay identical and
     train as one process does on the whole batch."""
@@ -144,6 +148,7 @@ def test_ddp_with_muon_trains_like_one_process(tmp_path, text_file):
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=3e-4, msg=lambda m: f"{key}: {m}")
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_process, capsys):
     assert_same_training(rows(fsdp_run), rows(one_process))
     dcp_dir = fsdp_run / sharded_checkpoint.DCP_DIR_NAME
@@ -161,6 +166,7 @@ def test_fsdp_trains_like_one_process_and_consolidates(tmp_path, fsdp_run, one_p
     model.load_state_dict(full["model"])  # strict: the documented keys, nothing missing or extra
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_checkpoints_move_between_one_process_and_ddp(tmp_path, text_file, one_process, monkeypatch):
     out = tmp_path / "run"
     real_loss, calls = TrainingStep.loss, {"n": 0}
@@ -189,6 +195,7 @@ def test_checkpoints_move_between_one_process_and_ddp(tmp_path, text_file, one_p
                         checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")["model"])
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, text_file):
     # A scheduler's SIGTERM reaching rank 1 alone (torchrun would forward it to both) during step 4: both ranks
     # finish the step, save one checkpoint of it, and exit with SIGTERM's status.
@@ -200,6 +207,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_checkpoint(tmp_path, t
     assert results[1].stderr == ""  # rank 0 alone speaks
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run, one_process, capsys):
     out = tmp_path / "run"
     fsdp_argv = argv(text_file, out, "--parallel", "fsdp", "--activation-checkpointing")
@@ -251,6 +259,7 @@ def test_fsdp_trains_in_float8_like_one_process_and_resumes(tmp_path, text_file)
     torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-2, atol=0)
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_a_stalled_rank_becomes_an_error_after_the_timeout(tmp_path, text_file):
     results = run_ranks(argv(text_file, tmp_path / "run", "--parallel", "ddp", "--dist-timeout", "3"),
                         tmp_path / "logs", stall=(1, 3), grace_s=2)
@@ -258,6 +267,7 @@ def test_a_stalled_rank_becomes_an_error_after_the_timeout(tmp_path, text_file):
     assert "Timed out" in results[0].stderr
 
 
+@pytest.mark.slow  # torchrun starts two fresh Pythons
 def test_torchrun_launches_train_py(tmp_path, text_file, one_process):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -47,6 +47,7 @@ def run(out: Path, data: Path, *extra: str) -> tuple[int, list[dict]]:
     return code, rows
 
 
+@pytest.mark.slow  # two runs of 80 steps
 def test_bpe_beats_bytes_in_bits_per_byte_and_evaluation_repeats_the_log(prepared, tmp_path, capsys):
     steps = ["--steps", "80", "--log-every", "40", "--eval-every", "40", "--ckpt-every", "40"]
     code, bpe = run(tmp_path / "bpe", prepared["bpe"], *steps)
@@ -84,6 +85,7 @@ def test_bpe_beats_bytes_in_bits_per_byte_and_evaluation_repeats_the_log(prepare
     assert snapshot(tmp_path / "bpe") == before
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_packed_documents_train_and_resume_exactly(prepared, tmp_path, monkeypatch):
     args = ("--steps", "12", "--log-every", "1", "--eval-every", "0", "--ckpt-every", "100", "--pack-documents")
     code, straight = run(tmp_path / "straight", prepared["bpe"], *args)

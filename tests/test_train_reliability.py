@@ -170,6 +170,7 @@ def slow_writes(which: set[str]) -> Callable[[Callable[[bytes], None]], None]:
 # ------------------------------------------------------------------------------------------ fault injection
 
 
+@pytest.mark.slow  # 26 killed runs, each resumed
 def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
     """26 runs killed with SIGKILL: at start-up, at random moments of training, and in the middle of writing a
     checkpoint, a metrics row, or the metrics file cut on resume; each time the next run resumes. The final run's
@@ -336,6 +337,7 @@ def error_line(output: str) -> str:
     return line
 
 
+@pytest.mark.slow  # train.py runs
 def test_a_new_run_into_a_run_is_refused_and_a_failed_start_touches_nothing(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     assert main(argv(text_file, out, "--steps", "2"), capsys)[0] == 0
@@ -355,6 +357,7 @@ def test_a_new_run_into_a_run_is_refused_and_a_failed_start_touches_nothing(tmp_
     assert snapshot(old).keys() == before.keys()
 
 
+@pytest.mark.slow  # train.py runs
 def test_a_locked_out_is_refused_and_nothing_changes(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     assert main(argv(text_file, out, "--steps", "2"), capsys)[0] == 0
@@ -376,6 +379,7 @@ def test_a_locked_out_is_refused_and_nothing_changes(tmp_path, text_file, capsys
     assert code == 0 and f"{out}: removed the stale lock of process {holder.pid}, which no longer runs" in output
 
 
+@pytest.mark.slow  # eight forked runs over the whole standard library
 def test_sibling_runs_share_the_token_cache_safely(tmp_path):
     # The default corpus (the standard library, tens of MB): long enough to write that runs started together
     # overlap. With one shared temporary name, some of them failed ("No such file", "cannot mmap an empty file").
@@ -403,7 +407,7 @@ def test_leftovers_of_a_killed_checkpoint_write_are_removed(tmp_path, text_file,
     assert not leftover.exists()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "random", "empty"])
+@pytest.mark.parametrize("damage", [pytest.param("truncated", marks=pytest.mark.slow), "random", "empty"])
 def test_a_checkpoint_that_does_not_load_falls_back_to_the_one_before(tmp_path, text_file, capsys, damage):
     out = tmp_path / "run"
     assert main(argv(text_file, out, "--steps", "4", "--ckpt-every", "1"), capsys)[0] == 0
@@ -423,6 +427,7 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_one_before(tmp_path, 
         f"error: no checkpoint in {out} loads: checkpoint-6.safetensors (")
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_a_torn_last_metrics_line_is_ignored_with_a_warning(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     assert main(argv(text_file, out, "--steps", "4", "--log-every", "1"), capsys)[0] == 0
@@ -483,6 +488,7 @@ def test_resume_of_a_finished_run_or_below_its_step_says_so(tmp_path, text_file,
         f"error: --steps 3 is below the step of {out / 'checkpoint-4.safetensors'} (4); pass --steps 4 or more")
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_resume_with_another_attention_backend_works_and_says_so(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     assert main(argv(text_file, out, "--steps", "2", "--attn", "sdpa"), capsys)[0] == 0

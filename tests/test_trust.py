@@ -119,7 +119,7 @@ def nan_weight_after_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(TrainingStep, "__call__", diverging)
 
 
-@pytest.mark.parametrize("how", ["nan-weight", "lr-1e6"])
+@pytest.mark.parametrize("how", [pytest.param("nan-weight", marks=pytest.mark.slow), "lr-1e6"])
 def test_a_diverging_run_stops_naming_the_step_and_the_newest_finite_checkpoint(tmp_path, corpus, capsys,
                                                                                 monkeypatch, how):
     out = tmp_path / "run"
@@ -222,6 +222,7 @@ def test_an_honest_checkpoint_of_an_earlier_version_loads_with_allow_pickle(fini
 # ------------------------------------------------------------------------------------------------- 3. integrity
 
 
+@pytest.mark.slow  # train.py runs
 def test_flipped_bytes_in_a_checkpoint_are_named(run, capsys):
     newest = run / "checkpoint-3.safetensors"
     flip_bytes(newest, "/model/blocks.0.attn.qkv.weight")

@@ -6,6 +6,12 @@ from attention import UnknownBackendError, UnsupportedInputError, get_attention,
 CPU_BACKENDS = [row.name for row in list_attention() if row.available]
 
 
+def backends(slow: set[str]) -> list:
+    """CPU_BACKENDS as parameters, those named in `slow` marked slow (torch.compile takes seconds a shape on a CPU,
+    FlexAttention's more)."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in CPU_BACKENDS]
+
+
 def reference(q, k, v, causal, scale):
     """softmax(q k^T * scale) v in float64."""
     q, k, v = (t.double() for t in (q, k, v))
@@ -16,7 +22,7 @@ def reference(q, k, v, causal, scale):
     return torch.softmax(s, -1) @ v
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", backends(slow={"compiled", "flex"}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 3, 17, 16), (1, 33, 32), (4, 1, 64)])
 def test_backends_match_float64_reference(backend, causal, shape):
@@ -36,8 +42,12 @@ def test_backends_match_float64_reference(backend, causal, shape):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("causal", [False, True])
+# The compiled backend's full case is the fast set's one Inductor compile (2 s on 2 CPU cores); its causal case (10 s
+# or more) and FlexAttention's (15 s) run with -m slow.
+@pytest.mark.parametrize("causal, backend", [
+    pytest.param(causal, name, id=f"{causal}-{name}",
+                 marks=[pytest.mark.slow] if name == "flex" or (name == "compiled" and causal) else [])
+    for causal in (False, True) for name in CPU_BACKENDS])
 def test_forward_matches_reference_without_grad(backend, causal):
     q, k, v = (torch.randn(2, 2, 31, 32) for _ in range(3))
     with torch.no_grad():

@@ -155,8 +155,14 @@ def test_backends_match_float64(backend, case):
 FLASH_CASES = [c for c in CASES if c.on_flash or CUDA]
 
 
+def scores(case: Case) -> int:
+    return case.batch * case.h_q * case.n_q * (case.n_k or case.n_q)
+
+
+# In the interpreter a case of more than 20000 scores takes a second or more: those run with -m slow.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", FLASH_CASES, ids=[c.id for c in FLASH_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if scores(c) > 20000 else [])
+                                  for c in FLASH_CASES])
 def test_flash_matches_float64(case, dtype):
     check("flash", case, dtype)
 
@@ -170,6 +176,7 @@ FLEX_CASES = [Case(f"all-causal-s{FLEX_N}", 1, 4, 2, FLEX_N, 16, True, window=17
     if CUDA else [])
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("case", FLEX_CASES, ids=[c.id for c in FLEX_CASES])
 def test_flex_matches_float64(case):
     # FlexAttention has no backward on the CPU.
@@ -185,12 +192,14 @@ def test_flex_says_why_it_refuses_gqa_at_ragged_lengths():
     assert why_not("flex", q, k, k, True) is None
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_runs_every_variant():
     # Forward only: compiling the backward too costs half a minute of the CPU test time.
     check("compiled", Case("all", 1, 2, 1, 40, 16, True, window=9, softcap=3.0, docs="mean10"), torch.float32,
           backward=CUDA)
 
 
+@pytest.mark.slow  # torch.compile
 def test_flash_under_torch_compile_matches_eager():
     case = CASES[[c.id for c in CASES].index("docs-mean20-causal-s100")]
     q, k, v, variant = case.inputs(torch.float32)
@@ -208,6 +217,7 @@ def test_flash_under_torch_compile_matches_eager():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # two backward passes of 40000 scores in the interpreter
 def test_flash_backward_with_gqa_is_bitwise_deterministic():
     case = Case("d", 1, 4, 1, 100, 16, True, window=40, docs="mean20")
     q, k, v, variant = case.inputs(torch.float32)

@@ -38,6 +38,7 @@ def flash_row_on_cpu() -> dict:
     return measure_backend("flash", p, inputs, ref, "cpu", iters=1, warmup=0).row
 
 
+@pytest.mark.slow  # flash in the interpreter
 def test_flash_rows_say_which_kernels_ran_and_why():
     # CPU tensors, so the Triton interpreter: chosen before the kernels load, which on a GPU machine (no
     # TRITON_INTERPRET in this process) means a fresh process with TRITON_INTERPRET=1.
@@ -77,6 +78,7 @@ def test_unsupported_input_gives_reason():
     assert m.row == {"status": "unsupported", "note": "FlexAttention's kernels need d_head a power of two >= 16, got 24"}
 
 
+@pytest.mark.slow  # FlexAttention compiles
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flex has a backward on CUDA")
 def test_forward_only_when_backward_is_missing():
     p, inputs, ref = point_and_inputs(seq=16)

@@ -19,7 +19,7 @@ def model(cfg: ModelConfig = CFG) -> TransformerLM:
     return TransformerLM(cfg, "sdpa").eval()
 
 
-@pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("n_kv_heads", [pytest.param(None, marks=pytest.mark.slow), 2], ids=["mha", "gqa"])
 def test_the_hf_peer_has_our_weights(n_kv_heads):
     pytest.importorskip("transformers")
     from benchmarking.hf_llama import llama_from
@@ -53,6 +53,7 @@ def test_timings_run_and_count_bytes():
     assert copy_bandwidth(torch.device("cpu"), nbytes=1 << 20) > 0
 
 
+@pytest.mark.slow  # bench_model.py end to end
 def test_bench_model_prefill_and_decode_modes(tmp_path):
     import bench_model
 
@@ -66,6 +67,7 @@ def test_bench_model_prefill_and_decode_modes(tmp_path):
     assert prefill["bandwidth_gbs"] is None and decode["bandwidth_gbs"] > 0 and decode["bandwidth_fraction"] > 0
 
 
+@pytest.mark.slow  # bench_attention.py end to end (the one with GQA and a window stays in the fast set)
 def test_bench_attention_decode_points(tmp_path):
     import bench_attention
 

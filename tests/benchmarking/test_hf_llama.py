@@ -39,6 +39,7 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
         HFLlama(TINY)
 
 
+@pytest.mark.slow  # bench_model.py end to end
 def test_bench_model_times_ours_and_the_peer_in_one_run(tmp_path):
     rows = bench_model.main(["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128",
                              "--vocab-size", "256", "--batch-size", "2", "--warmup", "1", "--steps", "2",

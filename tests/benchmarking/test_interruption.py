@@ -63,6 +63,7 @@ with stops_promptly(lambda reason: open(sys.argv[1], "w").write(reason)):
 """
 
 
+@pytest.mark.slow  # a fresh Python importing torch
 def test_the_watchdog_ends_a_long_call_and_writes_what_it_has(tmp_path):
     marker = tmp_path / "written"
     proc = subprocess.Popen([sys.executable, "-c", LONG_CALL, str(marker)], cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -117,6 +118,7 @@ def _stop_inside_second_point(argv: list[str], out: Path, second: str, settle_s:
         proc.kill()
 
 
+@pytest.mark.slow  # bench_attention.py in a subprocess
 def test_bench_attention_stops_within_seconds_and_keeps_the_finished_points(tmp_path):
     out = tmp_path / "attn"
     code, took = _stop_inside_second_point(["bench_attention.py", "--backends", "sdpa", "--seq-lens", "64,32768",
@@ -130,6 +132,7 @@ def test_bench_attention_stops_within_seconds_and_keeps_the_finished_points(tmp_
     assert "stopped early by SIGTERM" in text and "b1 h16 seq=32768 d=64 fp32 causal was being measured" in text
 
 
+@pytest.mark.slow  # bench_model.py in a subprocess
 def test_bench_model_stops_within_seconds_and_keeps_the_finished_rows(tmp_path):
     out = tmp_path / "model"
     code, took = _stop_inside_second_point(["bench_model.py", "--d-model", "256", "--n-layers", "1", "--n-heads", "2",

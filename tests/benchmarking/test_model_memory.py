@@ -98,6 +98,7 @@ def test_state_terms_follow_the_mode():
     assert fwd.saved_bytes == 0 and fwd.expected_peak_bytes > 4 * p
 
 
+@pytest.mark.slow  # optimizer steps
 def test_muons_state_is_what_its_optimizers_hold():
     """A momentum per block matrix (Muon) and two moments for the rest (AdamW), against the built optimizer."""
     from tests.training.resolved import resolved

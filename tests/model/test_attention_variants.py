@@ -51,7 +51,7 @@ def test_windows_count_only_the_scores_they_compute():
     assert local == pytest.approx(attention / 2 * (1 + (128 - 128 * 127 / 2048) / 512.5))
 
 
-@pytest.mark.parametrize("attn", ["naive", "flash"])
+@pytest.mark.parametrize("attn", ["naive", pytest.param("flash", marks=pytest.mark.slow)])
 def test_packed_documents_match_each_document_alone(attn):
     """A row of packed documents gives each document the logits it gets alone (positions restart, no leaks)."""
     torch.manual_seed(0)
@@ -64,6 +64,7 @@ def test_packed_documents_match_each_document_alone(attn):
     torch.testing.assert_close(packed, alone, rtol=10 * TOLERANCE, atol=10 * TOLERANCE)
 
 
+@pytest.mark.slow  # training under three backends
 def test_variants_train_under_naive_flash_torch_and_flash():
     torch.manual_seed(0)
     ids = torch.randint(0, 97, (2, 24), device=DEVICE)

@@ -39,12 +39,15 @@ def angles(batch, seq, d_head, per_row, device):
 
 # (batch, seq, heads, kv heads, d_head): MHA, GQA, MQA, a d_head whose half is no power of two, ragged lengths.
 SHAPES = [(2, 17, 4, 4, 16), (1, 100, 6, 2, 32), (3, 9, 4, 1, 64), (2, 33, 3, 3, 80)]
+# In the interpreter the two larger ones take about a second a case: they run with -m slow.
+KERNEL_SHAPES = [SHAPES[0], pytest.param(SHAPES[1], marks=pytest.mark.slow), SHAPES[2],
+                 pytest.param(SHAPES[3], marks=pytest.mark.slow)]
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + [torch.bfloat16] * CUDA)
 @pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 def test_the_forward_kernel_rotates_q_and_k_and_copies_v(shape, per_row, dtype):
     b, s, h, kv, d = shape
     qkv = torch.randn(b, s, (h + 2 * kv) * d).to(KERNEL_DEVICE, dtype)
@@ -60,7 +63,7 @@ def test_the_forward_kernel_rotates_q_and_k_and_copies_v(shape, per_row, dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * CUDA)
 @pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 def test_the_backward_kernel_is_the_gradient_of_the_reference(shape, per_row, dtype):
     b, s, h, kv, d = shape
     qkv = torch.randn(b, s, (h + 2 * kv) * d, dtype=torch.float64, requires_grad=True)

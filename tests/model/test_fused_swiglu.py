@@ -137,6 +137,7 @@ def test_keep_weight_copies_puts_w1_and_w3_in_one_tensor_and_loading_refreshes_i
     assert torch.equal(ffn.gate_up_copy, torch.cat([want.w1.weight, want.w3.weight]).bfloat16())
 
 
+@pytest.mark.slow  # training steps in the interpreter
 def test_a_model_trains_with_the_fused_gate_up_under_cpu_autocast():
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=48, vocab_size=11, context_length=8)

@@ -28,7 +28,9 @@ def decode_available(attn: str) -> None:
         pytest.skip(reason)
 
 
-@pytest.mark.parametrize("attn", ["naive", "sdpa", "flash-torch", "flash"])
+# Each case takes seconds (flash's in the interpreter); sdpa's stays in the default run.
+@pytest.mark.parametrize("attn", [pytest.param(a, marks=[] if a == "sdpa" else pytest.mark.slow)
+                                  for a in ("naive", "sdpa", "flash-torch", "flash")])
 def test_every_decode_step_equals_a_full_forward(attn):
     """Ragged prompts in one batch: each step's logits are those of the model over that sequence's whole prefix."""
     decode_available(attn)
@@ -114,12 +116,14 @@ def test_sample_follows_the_distribution():
     torch.testing.assert_close(freq, probabilities(FIXED, Sampling(top_k=3))[0], atol=0.01, rtol=0)
 
 
+@pytest.mark.slow  # a long generation
 def test_generation_stops_at_the_context():
     model = tiny()
     out = generate(model, [[1] * 60, [2] * 10], 20, Sampling(temperature=0))
     assert out.hit_context and [len(t) for t in out.tokens] == [4, 20]
 
 
+@pytest.mark.slow  # 150 training steps
 def test_a_trained_model_writes_its_string_back():
     text = b"the quick brown fox jumps over the lazy dog. "
     data = torch.tensor(list(text * 40))
@@ -178,6 +182,7 @@ def test_a_compiled_step_costs_the_same_whatever_the_cache_can_hold():
     assert long < 1.5 * short + 0.05, f"{long:.3f} ms a step with a cache of 32768 against {short:.3f} with 512"
 
 
+@pytest.mark.slow  # a decode of each backend (the plain decode's sdpa case stays in the default run)
 @pytest.mark.parametrize("attn", ["naive", "sdpa", "flash-torch", "flash"])
 def test_decoding_a_model_with_gqa_windows_and_softcap_equals_its_full_forward(attn):
     """Sampling runs the variants of training: a cache of the key/value heads, the local layers' window, softcap."""

@@ -150,6 +150,7 @@ def test_linear_fp32_weight_grad_without_autocast_is_plain_linear():
         assert torch.equal(got, want)
 
 
+@pytest.mark.slow  # torch.compile
 def test_linear_fp32_weight_grad_compiles():
     # Dynamo traces the autograd Function and its backward into the compiled graphs: same values as eager.
     ours, _ = _linear_pair(64, 96)

@@ -26,7 +26,9 @@ def test_model_is_causal():
     assert not torch.allclose(a[:, 15:], b[:, 15:])
 
 
-@pytest.mark.parametrize("attn", ["naive", "compiled", "flex"])
+# The compiled backends compile (seconds on a CPU): they run with -m slow.
+@pytest.mark.parametrize("attn", ["naive", pytest.param("compiled", marks=pytest.mark.slow),
+                                  pytest.param("flex", marks=pytest.mark.slow)])
 def test_attention_backend_is_chosen_by_name(attn):
     # Context 32, not TINY's 24: FlexAttention's compiled CPU kernel (torch 2.13) returned NaN at seq 24 with d_head
     # 16 on an AMD EPYC CPU, and was right at seq 8, 32, 48, 64, 65 and 100: a PyTorch bug, not the registry's.

@@ -82,6 +82,7 @@ def test_unavailable_is_none_when_nvtx_works(nvtx_calls):
     assert nvtx_calls == [("push", "nvtx-probe"), ("pop", None)]
 
 
+@pytest.mark.slow  # torch.compile
 def test_enabled_ranges_vanish_inside_torch_compile(nvtx_calls):
     # A push/pop while dynamo traces would split the compiled graph; inside compiled code the ranges are no-ops.
     # Earlier tests may have filled dynamo's per-function cache (8 shapes), after which it runs eager.

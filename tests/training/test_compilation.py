@@ -30,7 +30,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("recompute", [None, "full", pytest.param("selective", marks=pytest.mark.slow)],
+@pytest.mark.slow  # Inductor compiles the forward and the backward
+@pytest.mark.parametrize("recompute", [None, "full", "selective"],
                          ids=["plain", "activation-checkpointing", "selective-activation-checkpointing"])
 def test_compiled_regions_give_the_eager_loss_and_gradients(recompute):
     torch.manual_seed(0)
@@ -50,8 +51,10 @@ def test_compiled_regions_give_the_eager_loss_and_gradients(recompute):
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints keep their names
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "activation-checkpointing"])
-@pytest.mark.parametrize("n_layers", [1, 4])
+# Dynamo alone (a counting backend): one block without checkpointing is quick; the other cases run with -m slow.
+@pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["plain", "activation-checkpointing"])
+@pytest.mark.parametrize("n_layers", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_identical_blocks_share_one_compile(n_layers, recompute):
     """One Dynamo compile for all the blocks, one for the loss, whatever the depth; none more on later steps."""
     model = TransformerLM(ModelConfig(**{**CFG.to_dict(), "n_layers": n_layers}))
@@ -69,6 +72,7 @@ def test_identical_blocks_share_one_compile(n_layers, recompute):
     assert counter.frame_count == 2  # + loss_from_hidden
 
 
+@pytest.mark.slow  # Dynamo traces the whole model
 def test_whole_model_compile_does_not_recompile_on_later_steps():
     model, counter = TransformerLM(CFG), CompileCounter()
     compiled = torch.compile(model, backend=counter, dynamic=False)

@@ -62,6 +62,7 @@ def test_loss_and_gradients_stay_close_to_bf16(recipe):
     assert any(not torch.equal(g, grads_fp8[n]) for n, g in grads_bf16.items())  # float8 did change something
 
 
+@pytest.mark.slow  # training steps
 def test_build_step_converts_before_the_optimizer_and_trains():
     m = model()
     config = resolved(CFG, execution={"attn": ATTN, "dtype": "bf16", "fp8": "tensorwise"}, data={"batch_size": 8})
@@ -97,6 +98,7 @@ def test_resolve_refuses_what_fp8_cannot_run_with_the_reason():
         resolve(base.replace(model={"d_model": 200, "n_heads": 4}))
 
 
+@pytest.mark.slow  # bench_model.py sweeps
 def test_bench_model_sweeps_fp8_recipes(tmp_path):
     rows = bench_model.main(["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--vocab-size",
                              "97", "--context-lengths", "32", "--batch-size", "2", "--warmup", "1", "--steps", "1",

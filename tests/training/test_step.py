@@ -38,7 +38,7 @@ def bench_model_runner(optimizer: str):
     return bench_model.build_runner(point, args.device), point.config
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw-bf16"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("adamw-bf16", marks=pytest.mark.slow)])
 def test_train_and_bench_model_steps_give_the_same_losses_and_weights(optimizer):
     # No clipping (bench_model times the step without it): the optimizer steps during the backward in both.
     step, train_config = train_py_step("--grad-clip", "0", "--optimizer", optimizer)
@@ -96,7 +96,7 @@ def test_without_the_norm_asked_for_an_unclipped_step_computes_none():
     assert norm is not None and norm > 0  # clipping needs it anyway
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_accumulated_micro_batches_give_the_step_of_the_whole_batch(n):
     """--grad-accum-steps: the same losses, gradient norms and weights as one pass over the batch (fp32, clipped)."""
     results = []

@@ -103,6 +103,7 @@ def run_python(code: str, drop_env: tuple[str, ...] = ()) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # a fresh Python importing torch
 def test_import_without_triton_reports_why():
     out = run_python(
         "import sys; sys.modules['triton'] = None  # any `import triton` now raises ImportError\n"
@@ -122,6 +123,7 @@ def test_import_without_triton_reports_why():
     assert "ERROR attention backend 'flash' cannot run this input: triton is not installed" in out
 
 
+@pytest.mark.slow  # a fresh Python importing torch
 @pytest.mark.skipif(CUDA, reason="checks the message on a machine without a GPU")
 def test_import_without_gpu_or_interpreter_reports_why():
     out = run_python(
@@ -150,8 +152,8 @@ def grads_of(fn, inputs, seed=1):
     return (out, *torch.autograd.grad(out, inputs, do))
 
 
-@pytest.mark.parametrize("route", ["operator", "traced-launches"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("route", ["operator", pytest.param("traced-launches", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["causal", "full"])
 def test_operators_equal_the_autograd_function_bitwise(route, causal):
     """flash_op, and the launches its triton_op body makes (traceable: torch.library.wrap_triton, which the CPU
     interpreter runs unwrapped), give bitwise what the eager Function gives."""
@@ -169,6 +171,7 @@ def test_operators_equal_the_autograd_function_bitwise(route, causal):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiles_in_one_graph_and_matches_eager():
     torch._dynamo.reset()
     flash = get_attention("flash")
@@ -207,6 +210,7 @@ def test_inductor_launches_the_kernels_itself(monkeypatch):
     assert "flash_lm" not in code  # no call back into an operator: the generated code launches the kernels
 
 
+@pytest.mark.slow  # torch.compile
 def test_model_with_flash_trains_under_regional_compile():
     torch._dynamo.reset()
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, vocab_size=97, context_length=48)
@@ -248,6 +252,7 @@ def _record_replayed(monkeypatch) -> list[tuple[str, bool]]:
     return asked
 
 
+@pytest.mark.slow  # flash in the interpreter, four times
 def test_eager_flash_asks_the_dispatch_whether_launches_are_replayed(monkeypatch):
     from attention import graph_replay
 
@@ -261,6 +266,7 @@ def test_eager_flash_asks_the_dispatch_whether_launches_are_replayed(monkeypatch
     assert asked == [("forward", False), ("backward", False), ("forward", True), ("backward", True)]
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_flash_keeps_the_replay_choice_it_was_traced_with(monkeypatch, request):
     from attention import graph_replay
 

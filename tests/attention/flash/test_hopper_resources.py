@@ -43,6 +43,7 @@ def test_configs_are_the_dispatchs():
     assert set(CONFIGS) <= picked
 
 
+@pytest.mark.slow  # the fixture compiles 17 kernels for sm_90: a minute or more on 2 CPU cores
 @pytest.mark.parametrize("kind,d,tiles", CONFIGS, ids=[f"{k}-d{d}-c{t.consumers}n{t.block_n}s{t.stages}"
                                                       + ("p" if t.persistent else "") for k, d, t in CONFIGS])
 def test_kernel_compiles_for_sm90_within_shared_memory(compiled, kind, d, tiles):
@@ -85,6 +86,7 @@ def test_bad_config_is_refused():
         resources("bwd", 64, HopperTiles(2, 64, 4))
 
 
+@pytest.mark.slow  # the compiles of the fixture
 @pytest.mark.parametrize("kind,d,tiles", MASKED, ids=lambda x: str(x))
 def test_masked_kernels_compile_for_sm90(compiled, kind, d, tiles):
     """The window and document masks (constexpr WINDOW, DOCS) compile, within the same shared memory."""

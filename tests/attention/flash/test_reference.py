@@ -78,7 +78,7 @@ def test_registry_lists_and_runs_flash_torch():
     assert torch.equal(get_attention("flash-torch")(q, k, v, causal=True), FlashAttentionTorch.apply(q, k, v, True))
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["causal", "full"])
 def test_flash_flash_torch_and_naive_agree(causal, rel_error):
     """The kernel, its PyTorch specification and the reference backend give one answer (fp32)."""
     from attention.naive import naive_attention

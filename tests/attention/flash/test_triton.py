@@ -1,6 +1,6 @@
 """flash's Triton kernels (attention/flash/triton/) against a float64 reference, through the Function eager calls run
-and directly; without a GPU they run in the Triton interpreter (conftest.py switches it on). `flash_case` is
-parametrized by conftest.FLASH_CASES."""
+and directly; without a GPU they run in the Triton interpreter (conftest.py switches it on). The float64 comparison
+runs over conftest.FLASH_CASES."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from attention.flash import FlashAttention, Tiles, flash_backward, flash_forward, use_kernels
 from attention.flash.common import empty, nan_filled_outputs
 from attention.flash.triton import host as flash_triton
-from tests.attention.conftest import dtype_id, random_doc_ids, randn
+from tests.attention.conftest import FLASH_CASES, dtype_id, random_doc_ids, randn
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -33,12 +33,16 @@ def run_flash(q, k, v, causal, scale):
     return FlashAttention.apply(q, k, v, causal, scale)
 
 
+# In the interpreter a case of more than 2500 scores a head takes a second or more: those run with -m slow.
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_matches_float64_reference(flash_case, dtype, check_flash):
-    check_flash(run_flash, flash_case, dtype, DEVICE)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.n_q * c.n_k > 2500 else [])
+                                  for c in FLASH_CASES])
+def test_matches_float64_reference(case, dtype, check_flash):
+    check_flash(run_flash, case, dtype, DEVICE)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow)]
+                         + ([torch.bfloat16] if CUDA else []), ids=dtype_id)
 def test_backward_is_bitwise_deterministic(dtype):
     q, k, v = (randn(1, 2, 100, 48, dtype=dtype, seed=s).requires_grad_() for s in range(3))
     o = FlashAttention.apply(q, k, v, True)
@@ -297,7 +301,7 @@ def test_a_launch_seen_before_runs_its_compiled_kernel(monkeypatch):
     torch.testing.assert_close(o3, o, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("h, h_kv, n", [(2, 2, 100), (4, 2, 40)])
+@pytest.mark.parametrize("h, h_kv, n", [pytest.param(2, 2, 100, marks=pytest.mark.slow), (4, 2, 40)])
 def test_the_dq_kernel_writes_the_delta_that_dkdv_reads(monkeypatch, h, h_kv, n):
     """The backward is two launches: dQ, which computes delta = rowsum(dO * O) for its rows and writes it, then
     dK/dV, which reads it (no pre-pass kernel)."""

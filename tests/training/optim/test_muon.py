@@ -105,6 +105,7 @@ def test_a_step_is_muon_and_adamw_applied_to_the_clipped_gradients():
     assert all(p.grad is None for p in step.model.parameters())
 
 
+@pytest.mark.slow  # many optimizer steps
 def test_it_learns_a_batch():
     step = muon_step(lr=1e-2)
     x, y = batch()
@@ -162,6 +163,7 @@ def test_its_own_state_dict_round_trips():
         b.optimizer.load_state_dict({"state": {}, "param_groups": []})
 
 
+@pytest.mark.slow  # train.py runs and resumes
 def test_train_py_with_the_muon_recipe_resumes_as_if_never_stopped(tmp_path, text_file):
     """train.py --config muon for 6 steps, against 4 steps then --resume to 6: the same losses and weights (a flat
     learning rate after the warm-up, so that the 4-step run's schedule is the 6-step run's)."""
