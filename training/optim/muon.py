@@ -73,7 +73,8 @@ def lr_ratio(adjust_lr_fn: Optional[str], shape: torch.Size) -> float:
 
 
 def by_shape(*lists: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
-    """Parallel lists (the first: the parameters) split into runs of one shape, dtype and device, in first-seen order."""
+    """Parallel lists (the first: the parameters) split into runs of one shape, dtype and device, in first-seen
+    order."""
     runs: dict[tuple, tuple[list[torch.Tensor], ...]] = {}
     for items in zip(*lists):
         p = items[0]
