@@ -4,9 +4,9 @@ Decoding is bound by reading the cache, so each cache head is read once for all 
 the GROUP query heads of a GQA group times the n_new new tokens. `decode_partial_kernel` runs one program per
 (sequence, cache head, row block, split): it holds those rows as one (BLOCK_M, d) tile (padded to at least 16 rows,
 so both products are tensor-core dots), streams its chunk of the cache past them, and writes every row's normalised
-partial output and log-sum-exp; `decode_combine_kernel` merges a row's chunks, weighting each by
-exp(lse_chunk - lse_row). Scores are in the log2 domain (the scale is multiplied by log2(e)) so the exponentials are
-exp2.
+partial output and log-sum-exp (with one split, the output itself); `decode_combine_kernel` merges a row's chunks,
+weighting each by exp(lse_chunk - lse_row). Scores are in the log2 domain (the scale is multiplied by log2(e)) so
+the exponentials are exp2.
 """
 
 from __future__ import annotations
