@@ -25,13 +25,10 @@ from typing import Optional
 import torch
 
 from attention.decode import CacheLen, capped, lengths, repeat_kv, visible
-from attention.flash.common import as_bhsd, on_device_of
+from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
+from attention.flash.dispatch import _keep
+from attention.flash.triton.host import Launch, _block_d, _cdiv, _run, plannable
 from attention.registry import register_decode
-
-try:
-    import triton
-except ImportError:  # the flash backend reports it through its environment check
-    triton = None
 
 BLOCK_N = 128  # keys per tile, in both versions
 MAX_SPLITS = 128  # the combine kernel holds all of a row's chunks at once
@@ -130,64 +127,133 @@ def _kernels():
     return kernels
 
 
-@functools.cache
+# Launch options, read at every first launch of a signature (a sweep may set them): 128-key tiles, 4 warps and 3
+# stages read the cache fastest of those tried (docs/flash.md, Decode). The interpreter takes none.
+NUM_WARPS = 4
+NUM_STAGES = 3
+COMBINE_NUM_WARPS = 4
+
+
 def _launch_options() -> tuple[dict, dict]:
-    """The partial and combine kernels' launch options. 128-key tiles, 4 warps and 3 stages read the cache fastest
-    of those tried (docs/flash.md, Decode). The interpreter takes none."""
+    """The partial and combine kernels' launch options."""
     if _interpreting():
         return {}, {}
-    return {"num_warps": 4, "num_stages": 3}, {"num_warps": 4}
+    return {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}, {"num_warps": COMBINE_NUM_WARPS}
 
 
 def _length_args(cache_len: CacheLen, q: torch.Tensor, q4: torch.Tensor) -> tuple:
-    """The kernel's (LENS, stride_lb, stride_lh, fixed_len, LENS_TENSOR): a tensor of lengths read in place as
-    (batch, heads) (a broadcast view; a copy only for leading dims that cannot merge), or an int passed as is (no
-    host-to-device copy)."""
-    if isinstance(cache_len, torch.Tensor):
+    """The kernel's (LENS, stride_lb, stride_lh, fixed_len, LENS_TENSOR): a tensor of lengths read in place, in its
+    own integer dtype, as (batch, heads) (broadcast strides; a copy only for leading dims that cannot merge), or an
+    int passed as is (no host-to-device copy)."""
+    if not isinstance(cache_len, torch.Tensor):
+        return q4, 0, 0, int(cache_len), False
+    if q.dim() > 4:
         lens = lengths(cache_len, q).reshape(q4.shape[:2])
         return lens, lens.stride(0), lens.stride(1), 0, True
-    return q4, 0, 0, int(cache_len), False
+    # cache_len's dims are the first of q.shape[:-2], which are the last q.dim() - 2 of (batch, heads).
+    strides = (0, 0) + tuple(cache_len.stride()) + (0,) * (q.dim() - 2 - cache_len.dim())
+    return cache_len, strides[-2], strides[-1], 0, True
+
+
+class DecodePlan:
+    """decode_triton() of one input signature, resolved: `plan(q, k_cache, v_cache, cache_len) -> o` allocates the
+    output (and the partials) and launches the compiled kernels, nothing else. One split has no combine: the partial
+    kernel writes the output."""
+
+    __slots__ = ("partial", "combine", "part_numel")
+
+    def __init__(self, partial: Launch, combine: Optional[Launch], part_numel: int):
+        self.partial, self.combine, self.part_numel = partial, combine, part_numel
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache_len: CacheLen) -> torch.Tensor:
+        o = empty_like(q)
+        lens = cache_len if type(cache_len) is torch.Tensor else q  # an int is in the launch; q is never read
+        if self.combine is None:
+            self.partial(q, k_cache, v_cache, lens, o, o)
+            return o
+        part = empty((self.part_numel,), torch.float32, q.device)
+        self.partial(q, k_cache, v_cache, lens, part, o)
+        self.combine(part, o)
+        return o
+
+
+_plans: dict[tuple, DecodePlan] = {}  # decode signature -> plan (capped as dispatch's plans)
+
+
+def _signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen, scale: float,
+               num_splits: Optional[int], window: Optional[int], softcap: Optional[float]) -> tuple:
+    """What decides a decode call's launches: shapes, strides, dtype, device and 16-byte alignment of q and the
+    caches; cache_len's shape, strides, dtype and alignment (a tensor) or value (an int); the arguments; the
+    current device."""
+    if type(cache_len) is torch.Tensor:
+        lens = (cache_len.shape, cache_len.stride(), cache_len.dtype, cache_len.data_ptr() % 16 == 0)
+    else:
+        lens = cache_len
+    return (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), q.dtype,
+            q.device, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, lens,
+            scale, num_splits, window, softcap, torch.cuda.current_device() if q.is_cuda else None)
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
                   scale: float, num_splits: Optional[int] = None, window: Optional[int] = None,
                   softcap: Optional[float] = None) -> torch.Tensor:
     """Split-KV decode attention with the Triton kernels; on the GPU, or on the CPU under TRITON_INTERPRET=1.
-    Eager decode steps are short, so this does no more on the host than the launches need."""
+    Eager decode steps are short: a signature seen before runs its plan (docs/flash.md, Decode)."""
+    key = _signature(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan(q, k_cache, v_cache, cache_len)
+    o, plan = _decode(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap)
+    if plan is not None:
+        _keep(_plans, key, plan)
+    return o
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen, scale: float,
+            num_splits: Optional[int], window: Optional[int],
+            softcap: Optional[float]) -> tuple[torch.Tensor, Optional[DecodePlan]]:
+    """decode_triton() by the general path: o, and the plan that repeats the call (None where there can be none:
+    more than 4 dims, or tensors on another device than the current)."""
     q4, k4, v4 = as_bhsd(q), as_bhsd(k_cache), as_bhsd(v_cache)
     batch, heads, n_new, d = q4.shape
     kv_heads, max_len = k4.shape[1], k4.shape[2]
     group = heads // kv_heads
-    block_m = max(16, min(MAX_BLOCK_M, triton.next_power_of_2(group * n_new)))  # >= 16: tensor-core dots
-    row_blocks = triton.cdiv(group * n_new, block_m)
+    block_m = max(16, min(MAX_BLOCK_M, _block_d(group * n_new)))  # a power of two >= 16: tensor-core dots
+    row_blocks = _cdiv(group * n_new, block_m)
     if num_splits is None:
         keys = max_len if window is None else min(max_len, window + n_new - 1)
         num_splits = default_num_splits(batch * kv_heads * row_blocks, keys, q.device)
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     lens, stride_lb, stride_lh, fixed_len, lens_tensor = _length_args(cache_len, q, q4)
+    o = empty_like(q)
+    o4 = as_bhsd(o)
     rows = batch * heads * n_new
     lse_offset = rows * num_splits * d
-    part = torch.empty(lse_offset + rows * num_splits, dtype=torch.float32, device=q.device)  # outputs, then lse
-    o = torch.empty_like(q4)
-    block_d = triton.next_power_of_2(d)
+    direct = num_splits == 1
+    part = o4 if direct else empty((lse_offset + rows * num_splits,), torch.float32, q.device)  # outputs, then lse
     # Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the plain scale is not applied.
     log2e = 1.4426950408889634
     qk_scale, cap_scale, cap_log2e = (scale * log2e, 0.0, 0.0) if softcap is None else (
         1.0, scale / softcap, softcap * log2e)
     kernels = _kernels()
     partial_options, combine_options = _launch_options()
+    block_d = _block_d(d)
     with on_device_of(q):
-        kernels.decode_partial_kernel[(batch * kv_heads, num_splits, row_blocks)](
-            q4, k4, v4, lens, part, *q4.stride(), *k4.stride(), *v4.stride(),
-            stride_lb, stride_lh, fixed_len, lse_offset, kv_heads, n_new, d, qk_scale, window or 0, cap_scale,
-            cap_log2e, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-            IEEE=q.dtype == torch.float32, LENS_TENSOR=lens_tensor, WINDOW=window is not None,
-            SOFTCAP=softcap is not None, **partial_options)
-        kernels.decode_combine_kernel[(rows,)](
-            part, o, *o.stride(), lse_offset, heads, n_new, d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **combine_options)
-    return o.reshape(q.shape)
+        partial = _run(kernels.decode_partial_kernel, (batch * kv_heads, num_splits, row_blocks),
+                       (q4, k4, v4, lens, part, o4, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+                        stride_lb, stride_lh, fixed_len, lse_offset, kv_heads, n_new, d, num_splits, qk_scale,
+                        window or 0, cap_scale, cap_log2e), 6,
+                       {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "BLOCK_D": block_d,
+                        "IEEE": q.dtype == torch.float32, "LENS_TENSOR": lens_tensor, "WINDOW": window is not None,
+                        "SOFTCAP": softcap is not None, "DIRECT": direct}, partial_options)
+        combine = None if direct else _run(
+            kernels.decode_combine_kernel, (rows,), (part, o4, *o4.stride(), lse_offset, heads, n_new, d, num_splits),
+            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d}, combine_options)
+    if not plannable(q, k_cache, v_cache):
+        return o, None
+    return o, DecodePlan(partial, combine, 0 if direct else part.numel())
 
 
 def decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:

@@ -4,9 +4,9 @@ Decoding is bound by reading the cache, so each cache head is read once for all 
 the GROUP query heads of a GQA group times the n_new new tokens. `decode_partial_kernel` runs one program per
 (sequence, cache head, row block, split): it holds those rows as one (BLOCK_M, d) tile (padded to at least 16 rows,
 so both products are tensor-core dots), streams its chunk of the cache past them, and writes every row's normalised
-partial output and log-sum-exp; `decode_combine_kernel` merges a row's chunks, weighting each by
-exp(lse_chunk - lse_row). Scores are in the log2 domain (the scale is multiplied by log2(e)) so the exponentials are
-exp2.
+partial output and log-sum-exp (with one split, the output itself); `decode_combine_kernel` merges a row's chunks,
+weighting each by exp(lse_chunk - lse_row). Scores are in the log2 domain (the scale is multiplied by log2(e)) so
+the exponentials are exp2.
 """
 
 from __future__ import annotations
@@ -17,20 +17,22 @@ import triton.language as tl
 
 @triton.jit
 def decode_partial_kernel(
-    Q, K, V, LENS, PART,
+    Q, K, V, LENS, PART, O,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, fixed_len, lse_offset,
-    n_kv_heads, n_new, head_dim, qk_scale, window, cap_scale, cap_log2e,
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_kv_heads, n_new, head_dim, n_splits, qk_scale, window, cap_scale, cap_log2e,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, LENS_TENSOR: tl.constexpr,
-    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, DIRECT: tl.constexpr = False,
 ):
     """LENS (batch, heads) at strides stride_lb, stride_lh, or fixed_len for every row (LENS_TENSOR false);
-    PART holds the partial outputs (rows, NUM_SPLITS, head_dim) and from lse_offset on their log-sum-exps (rows,
-    NUM_SPLITS); window: keys within it of the query (WINDOW); softcap: the base-2 scores become
-    cap_log2e * tanh(cap_scale * q.k) (SOFTCAP)."""
+    PART holds the partial outputs (rows, n_splits, head_dim) and from lse_offset on their log-sum-exps (rows,
+    n_splits); DIRECT (one split): the output goes straight to O instead, and PART is not touched; window: keys
+    within it of the query (WINDOW); softcap: the base-2 scores become cap_log2e * tanh(cap_scale * q.k)
+    (SOFTCAP)."""
     bkv = tl.program_id(0)  # (sequence, cache head) flattened
     split = tl.program_id(1)
     b = (bkv // n_kv_heads).to(tl.int64)  # int64: a batch of long caches spans more than 2^31 elements
@@ -52,7 +54,7 @@ def decode_partial_kernel(
     # The block's keys, split into chunks of whole tiles (only the last tile is partial).
     lo_all = tl.min(tl.where(real, first, 2147483647), axis=0)
     hi_all = tl.max(tl.where(real, visible, 0), axis=0)
-    chunk = tl.cdiv(tl.cdiv(hi_all - lo_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(hi_all - lo_all, n_splits), BLOCK_N) * BLOCK_N
     lo = lo_all + split * chunk
     hi = tl.minimum(lo + chunk, hi_all)
     row_hi = tl.minimum(visible, hi)  # padding rows see nothing: visible <= 0
@@ -100,17 +102,21 @@ def decode_partial_kernel(
     nonempty = l > 0
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), -float("inf"))
     o = acc / tl.where(nonempty, l, 1.0)[:, None]
-    part = (bkv * GROUP * n_new + offs_r) * NUM_SPLITS + split  # rows in (sequence, head, new token) order
-    tl.store(PART + part[:, None] * head_dim + offs_d[None, :], o, mask=real[:, None] & mask_d[None, :])
-    tl.store(PART + lse_offset + part, lse, mask=real)
+    if DIRECT:  # the only chunk: its normalised output is the row's
+        tl.store(O + b * stride_ob + h[:, None] * stride_oh + j[:, None] * stride_om + offs_d[None, :] * stride_od,
+                 o.to(O.dtype.element_ty), mask=real[:, None] & mask_d[None, :])
+    else:
+        part = (bkv * GROUP * n_new + offs_r) * n_splits + split  # rows in (sequence, head, new token) order
+        tl.store(PART + part[:, None] * head_dim + offs_d[None, :], o, mask=real[:, None] & mask_d[None, :])
+        tl.store(PART + lse_offset + part, lse, mask=real)
 
 
 @triton.jit
 def decode_combine_kernel(
     PART, O,
     stride_ob, stride_oh, stride_om, stride_od,
-    lse_offset, n_heads, n_new, head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    lse_offset, n_heads, n_new, head_dim, n_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)
     bh = row // n_new
@@ -119,12 +125,12 @@ def decode_combine_kernel(
     h = (bh % n_heads).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < n_splits
     mask_d = offs_d < head_dim
-    lse = tl.load(PART + lse_offset + row * NUM_SPLITS + offs_s, mask=mask_s, other=-float("inf"))
+    lse = tl.load(PART + lse_offset + row * n_splits + offs_s, mask=mask_s, other=-float("inf"))
     # Every row sees at least one key, so some chunk's lse and the row's max are finite.
     w = tl.exp2(lse - tl.max(lse, axis=0))  # (BLOCK_S,), 0 for empty chunks
-    parts = tl.load(PART + (row * NUM_SPLITS + offs_s[:, None]) * head_dim + offs_d[None, :],
+    parts = tl.load(PART + (row * n_splits + offs_s[:, None]) * head_dim + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     o = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
     tl.store(O + b * stride_ob + h * stride_oh + j * stride_om + offs_d * stride_od,

@@ -304,7 +304,7 @@ _compiled: dict[tuple, Launch] = {}
 _MAX_COMPILED = 4096  # distinct launches kept (shapes, dtypes, alignments); past it the cache starts again
 
 
-def _launch_key(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs: dict, options: dict,
+def _launch_key(jit_fn, grid: tuple[int, ...], args: tuple, n_tensors: int, constexprs: dict, options: dict,
                 device: Optional[int]) -> tuple:
     """What triton specialises a launch's arguments on: each tensor's dtype and 16-byte alignment, each integer's
     value (it specialises on 1, on multiples of 16 and on 64-bit sizes), the constants and options; plus the grid.
@@ -315,7 +315,7 @@ def _launch_key(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, cons
             *[t.dtype for t in tensors], *[t.data_ptr() % 16 == 0 for t in tensors])
 
 
-def _resolved(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs: dict,
+def _resolved(jit_fn, grid: tuple[int, ...], args: tuple, n_tensors: int, constexprs: dict,
               options: dict) -> Optional[Launch]:
     """The Launch of jit_fn[grid](*args, **constexprs, **options): on the GPU its compiled kernel, None when it has
     not been compiled yet; in the interpreter, the interpreted kernel."""
@@ -324,7 +324,7 @@ def _resolved(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, conste
     return _compiled.get(_launch_key(jit_fn, grid, args, n_tensors, constexprs, options, args[0].device.index))
 
 
-def _run(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs: dict, options: dict,
+def _run(jit_fn, grid: tuple[int, ...], args: tuple, n_tensors: int, constexprs: dict, options: dict,
          traceable: bool = False) -> Optional[Launch]:
     """jit_fn[grid](*args, **constexprs, **options), from the compiled kernel when this launch was seen before;
     returns its Launch (None when traced).
@@ -342,7 +342,7 @@ def _run(jit_fn, grid: tuple[int, int], args: tuple, n_tensors: int, constexprs:
     if len(_compiled) >= _MAX_COMPILED:
         _compiled.clear()
     constants = tuple(constexprs[name] for name in jit_fn.arg_names[len(args):])  # in signature order
-    launch = Launch(compiled[(*grid, 1)], (*args[n_tensors:], *constants))
+    launch = Launch(compiled[(*grid, 1, 1)[:3]], (*args[n_tensors:], *constants))  # a compiled kernel takes 3 axes
     _compiled[_launch_key(jit_fn, grid, args, n_tensors, constexprs, options, args[0].device.index)] = launch
     return launch
 

@@ -166,3 +166,46 @@ def test_a_captured_step_reads_the_lengths_it_is_given():
         cache_len.copy_(torch.tensor(lengths))
         graph.replay()
         torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.1), **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+def test_one_split_writes_the_output_itself(dtype):
+    """num_splits=1: the partial kernel writes the output (no partials, no combine), into a strided q's order."""
+    q, k, v, cache_len = inputs(2, 4, 500, n_new=2, dtype=dtype, kv_heads=2, d=32, seed=21)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (batch, heads, n_new, d) view of (batch, n_new, heads, d)
+    o = decode_triton(q, k, v, cache_len, 0.2, num_splits=1, window=300)
+    assert o.stride() == q.stride()
+    torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.2, 300), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_seen_signature_runs_its_plan(num_splits):
+    """The second call of a signature runs the plan the first kept, on other tensors of that signature; lengths of
+    another integer dtype, per (sequence, head) as a transposed view, or for a 3-d q, are read in place."""
+    host._plans.clear()
+    q, k, v, cache_len = inputs(2, 2, 300, kv_heads=2, d=16, per_head=True, seed=23)
+    lens_t = cache_len.to(torch.int32).t().contiguous().t()  # (batch, heads), column-major
+    decode_triton(q, k, v, lens_t, 0.25, num_splits=num_splits)
+    assert len(host._plans) == 1
+    q2, k2, v2, cache_len2 = inputs(2, 2, 300, kv_heads=2, d=16, per_head=True, seed=24)
+    lens2 = cache_len2.to(torch.int32).t().contiguous().t()
+    o = decode_triton(q2, k2, v2, lens2, 0.25, num_splits=num_splits)
+    assert len(host._plans) == 1
+    torch.testing.assert_close(o.double(), reference(q2, k2, v2, cache_len2, 0.25), **TOLERANCE[torch.float32])
+    q3, k3, v3 = q2[1], k2[1].nan_to_num(), v2[1].nan_to_num()  # (heads, n_new, d), a length per head, then an int
+    for lens in (lens2[1], 300):
+        for _ in range(2):
+            o = decode_triton(q3, k3, v3, lens, 0.25, num_splits=num_splits)
+            ref = decode_reference_f64(q3, k3, v3, lens, 0.25)
+            torch.testing.assert_close(o.double(), ref, **TOLERANCE[torch.float32])
+    assert len(host._plans) == 3
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_plans_launch_the_compiled_kernels_on_gpu(num_splits):
+    """On the GPU a plan calls the compiled kernels directly: later calls of a signature on fresh inputs still match."""
+    for seed in (31, 32, 33):
+        q, k, v, cache_len = inputs(1, 4, 3000, dtype=torch.bfloat16, kv_heads=8, d=128, seed=seed)
+        o = decode_triton(q, k, v, cache_len, 0.1, num_splits=num_splits)
+        torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.1), **TOLERANCE[torch.bfloat16])
