@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
 import os
 import sys
 import time
@@ -146,9 +147,9 @@ def graph_us(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
     return time_ms(replay, device, iters=ITERS, warmup=WARMUP).median_ms * 1e3
 
 
-def sweep_point(heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> None:
-    """One batch-1 point over the grid of settings: the current ones, then the five fastest others; diff: the
-    largest difference from the current settings' output."""
+def sweep_point(heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> dict[tuple, float]:
+    """One batch-1 point over the grid of settings: prints the current ones, then the five fastest others (diff: the
+    largest difference from the current settings' output); returns µs by settings."""
     gen = torch.Generator(device).manual_seed(0)
     q = torch.randn(1, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
     k = torch.randn(1, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
@@ -173,14 +174,22 @@ def sweep_point(heads: int, kv_heads: int, d: int, cache: int, device: torch.dev
         label = "current" if values == current else "       "
         knobs = " ".join(f"{name}={value}" for name, value in zip(SWEEP_KNOBS, values))
         print(f"  {label} {knobs:<58} {us:>7.1f} µs {gbs / copy:>5.0%} of copy  diff {diff:.1e}", flush=True)
+    return {values: us for values, (us, _) in timed.items()}
 
 
 def sweep(device: torch.device) -> None:
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; flash decode replayed from a CUDA "
           f"graph, bf16, batch 1")
+    points = []
     for heads, kv_heads, d, cache in SWEEP_POINTS:
-        sweep_point(heads, kv_heads, d, cache, device)
+        points.append(sweep_point(heads, kv_heads, d, cache, device))
         torch.cuda.empty_cache()
+    # Over all points: the geometric mean of each setting's time over the fastest time at that point.
+    common = set.intersection(*(set(p) for p in points))
+    score = {c: math.prod(p[c] / min(p.values()) for p in points) ** (1 / len(points)) for c in common}
+    for values in sorted(score, key=score.get)[:5]:
+        knobs = " ".join(f"{name}={value}" for name, value in zip(SWEEP_KNOBS, values))
+        print(f"overall {knobs:<58} {score[values]:.3f}x the fastest at each point", flush=True)
 
 
 def main() -> None:

@@ -200,6 +200,8 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   softcap: Optional[float] = None) -> torch.Tensor:
     """Split-KV decode attention with the Triton kernels; on the GPU, or on the CPU under TRITON_INTERPRET=1.
     Eager decode steps are short: a signature seen before runs its plan (docs/flash.md, Decode)."""
+    if torch.compiler.is_compiling():  # traced launches belong to the compiler, which keeps no plans
+        return _decode(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap, traceable=True)[0]
     key = _signature(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap)
     plan = _plans.get(key)
     if plan is not None:
@@ -211,10 +213,10 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen, scale: float,
-            num_splits: Optional[int], window: Optional[int],
-            softcap: Optional[float]) -> tuple[torch.Tensor, Optional[DecodePlan]]:
+            num_splits: Optional[int], window: Optional[int], softcap: Optional[float],
+            traceable: bool = False) -> tuple[torch.Tensor, Optional[DecodePlan]]:
     """decode_triton() by the general path: o, and the plan that repeats the call (None where there can be none:
-    more than 4 dims, or tensors on another device than the current)."""
+    traced launches, more than 4 dims, or tensors on another device than the current)."""
     q4, k4, v4 = as_bhsd(q), as_bhsd(k_cache), as_bhsd(v_cache)
     batch, heads, n_new, d = q4.shape
     kv_heads, max_len = k4.shape[1], k4.shape[2]
@@ -247,11 +249,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
                         window or 0, cap_scale, cap_log2e), 6,
                        {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "BLOCK_D": block_d,
                         "IEEE": q.dtype == torch.float32, "LENS_TENSOR": lens_tensor, "WINDOW": window is not None,
-                        "SOFTCAP": softcap is not None, "DIRECT": direct}, partial_options)
+                        "SOFTCAP": softcap is not None, "DIRECT": direct}, partial_options, traceable)
         combine = None if direct else _run(
             kernels.decode_combine_kernel, (rows,), (part, o4, *o4.stride(), lse_offset, heads, n_new, d, num_splits),
-            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d}, combine_options)
-    if not plannable(q, k_cache, v_cache):
+            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d}, combine_options, traceable)
+    if traceable or not plannable(q, k_cache, v_cache):
         return o, None
     return o, DecodePlan(partial, combine, 0 if direct else part.numel())
 
