@@ -81,9 +81,9 @@ def test_a_step_is_muon_and_adamw_applied_to_the_clipped_gradients():
     gradients scaled by the clipping coefficient; set_lr reaches both parts."""
     step = muon_step(grad_clip=0.05)
     step.set_lr(3e-3)
-    # Both run Newton-Schulz in bf16; on a GPU one batched matmul per shape rounds differently from one per matrix
-    # (updates are about 6e-4 per element here).
-    atol = 1e-6 if step.model.embed.weight.device.type == "cpu" else 3e-5
+    # Both run Newton-Schulz in bf16, where one batched matmul per shape may round differently from one per matrix
+    # (torch 2.11's CPU kernels do): the matrices agree to a sixth of one update's RMS (0.2 lr), the rest exactly.
+    matrix_names = names(step.model, hidden_matrices(step.model, list(step.model.parameters()))[0])
     assert {g["lr"] for g in step.optimizer.param_groups} == {3e-3}
     reference = TransformerLM(step.config.model, step.config.execution.attn)
     reference.load_state_dict(step.model.state_dict())
@@ -106,7 +106,7 @@ def test_a_step_is_muon_and_adamw_applied_to_the_clipped_gradients():
         muon.zero_grad()
         adamw.zero_grad()
         for (name, got), want in zip(step.model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=name)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 if name in matrix_names else 1e-6, msg=name)
     assert all(p.grad is None for p in step.model.parameters())
 
 
