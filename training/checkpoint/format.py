@@ -155,7 +155,7 @@ def load_legacy(path: Path, allow_pickle: bool) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Unsupported global" not in str(e):  # no object to trust: a damaged or foreign file, named as it is
+        if "Weights only load failed" not in str(e):  # not refused objects: a damaged or foreign file, named as is
             raise
         raise CheckpointFormatError("written by an earlier version with pickle, which can run code when loaded; "
                                     "pass --allow-pickle if you trust this file") from None
