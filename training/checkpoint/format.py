@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -155,7 +156,7 @@ def load_legacy(path: Path, allow_pickle: bool) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):  # not refused objects: a damaged or foreign file, named as is
-            raise
+        if not re.search(r"unsupported global|GLOBAL .* is blocked|reduce for unrecognized", str(e), re.I):
+            raise  # no object refused: a damaged or foreign file, named as it is
         raise CheckpointFormatError("written by an earlier version with pickle, which can run code when loaded; "
                                     "pass --allow-pickle if you trust this file") from None
