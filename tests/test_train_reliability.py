@@ -170,6 +170,31 @@ def slow_writes(which: set[str]) -> Callable[[Callable[[bytes], None]], None]:
 # ------------------------------------------------------------------------------------------ fault injection
 
 
+def _wait_for_the_moment(child: Forked, kind: str, rng: random.Random) -> None:
+    """Let `child` run to the moment a kill of this kind aims at."""
+    if kind == "start-up":
+        time.sleep(rng.uniform(0.0, 0.2))
+    elif kind == "random":  # after a few steps, at any moment of one
+        for _ in range(rng.randint(1, 5)):
+            assert child.wait_for(b"s"), child.output
+        time.sleep(rng.uniform(0.0, 0.05))
+    else:
+        tag = {"checkpoint": b"c", "metrics": b"m", "cut": b"r"}[kind]
+        for _ in range(1 if kind == "cut" else rng.randint(1, 3)):
+            assert child.wait_for(tag), child.output
+
+
+def _assert_intact(out) -> None:
+    """Every checkpoint on disk loads; metrics hold one row per step from 1 on (a torn last line at most), at least
+    up to the newest checkpoint."""
+    for step, path in checkpoint_files.numbered(out):
+        assert checkpoint_files.load_file(path)["step"] == step
+    logged = [r["step"] for r in metrics_file.read_rows(out / "metrics.jsonl", warn=lambda m: None)]
+    assert logged == list(range(1, len(logged) + 1))
+    if checkpoint_files.numbered(out):
+        assert len(logged) >= checkpoint_files.numbered(out)[0][0]
+
+
 @pytest.mark.slow  # 26 killed runs, each resumed
 def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
     """26 runs killed with SIGKILL: at start-up, at random moments of training, and in the middle of writing a
@@ -200,16 +225,7 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
             kind = "checkpoint"
         child = Forked(run + (["--resume"] if newest is not None else ["--overwrite"]), tmp_path / f"child-{i}.log",
                        slow_writes({kind}))
-        if kind == "start-up":
-            time.sleep(rng.uniform(0.0, 0.2))
-        elif kind == "random":  # after a few steps, at any moment of one
-            for _ in range(rng.randint(1, 5)):
-                assert child.wait_for(b"s"), child.output
-            time.sleep(rng.uniform(0.0, 0.05))
-        else:
-            tag = {"checkpoint": b"c", "metrics": b"m", "cut": b"r"}[kind]
-            for _ in range(1 if kind == "cut" else rng.randint(1, 3)):
-                assert child.wait_for(tag), child.output
+        _wait_for_the_moment(child, kind, rng)
         child.kill()
         status = child.wait()
         log = child.output
@@ -218,14 +234,7 @@ def test_sigkill_at_random_moments_never_loses_the_run(tmp_path, text_file):
         assert "Traceback" not in log, log
         if newest is not None and "resuming from" in log:  # the resume took the newest checkpoint
             assert f"resuming from {out / f'checkpoint-{newest}.safetensors'} (step {newest})" in log, log
-        # Every checkpoint on disk loads; metrics hold one row per step from 1 on (a torn last line at most), at
-        # least up to the newest checkpoint.
-        for step, path in checkpoint_files.numbered(out):
-            assert checkpoint_files.load_file(path)["step"] == step
-        logged = [r["step"] for r in metrics_file.read_rows(out / "metrics.jsonl", warn=lambda m: None)]
-        assert logged == list(range(1, len(logged) + 1))
-        if checkpoint_files.numbered(out):
-            assert len(logged) >= checkpoint_files.numbered(out)[0][0]
+        _assert_intact(out)
     assert kills == len(kinds) >= 20
 
     final = Forked(run + ["--resume"], tmp_path / "final.log")
