@@ -140,7 +140,7 @@ class Trainer:
                 f"{', packed by documents' if c.data.pack_documents else ''}; "
                 f"{flops_per_token(m) / 1e9:.2f} GFLOP per token\n"
                 f"steps {self.state.step} to {c.run.steps}, {c.optim.optimizer} lr {c.optim.lr:g} (warm-up "
-                f"{c.optim.warmup_steps}, cosine to {c.optim.min_lr:g}); writing {self.out}"
+                f"{c.optim.warmup_steps}, cosine to {c.optim.min_lr:g})"
                 + (f"\n{self.init.describe()}" if self.init else ""))
 
     # ------------------------------------------------------------------------------------------------ the loop
