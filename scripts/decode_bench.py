@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from attention import get_attention, graph_replay  # noqa: E402
 from attention.flash.decode import host as decode_host  # noqa: E402
+from benchmarking.decode import copy_bandwidth  # noqa: E402
 from benchmarking.timing import captured, time_ms  # noqa: E402
 
 HEAD_SHAPES = [(32, 8, 128), (32, 32, 128), (16, 16, 64)]  # (heads, kv heads, d_head)
@@ -71,14 +72,6 @@ def host_us(fn: Callable[[], torch.Tensor]) -> float:
     return elapsed / HOST_CALLS * 1e6
 
 
-def copy_gbs(nbytes: int, device: torch.device) -> float:
-    """GB/s of a device-to-device copy of nbytes (read + write counted)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, iters=ITERS, warmup=WARMUP).median_ms
-    return 2 * src.nbytes / (ms * 1e-3) / 1e9
-
-
 def sdpa_call(kernel: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[Callable]:
     """The SDPA call on one kernel, or None where that kernel refuses the input."""
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
@@ -113,7 +106,7 @@ def point(batch: int, heads: int, kv_heads: int, d: int, cache: int, device: tor
             row["maxdiff"] = (run().float() - out.float()).abs().max().item()
     nbytes = k.nbytes + v.nbytes
     row["flash_gbs"] = nbytes / (row["flash"][1] * 1e-6) / 1e9
-    row["copy_gbs"] = copy_gbs(nbytes, device)
+    row["copy_gbs"] = copy_bandwidth(device, nbytes) / 1e9
     return row
 
 
@@ -158,7 +151,7 @@ def sweep_point(heads: int, kv_heads: int, d: int, cache: int, device: torch.dev
     decode = get_attention("flash").decode
     current = tuple(getattr(decode_host, name) for name in SWEEP_KNOBS)
     expected = decode(q, k, v, cache_len)
-    copy = copy_gbs(k.nbytes + v.nbytes, device)
+    copy = copy_bandwidth(device, k.nbytes + v.nbytes) / 1e9
     timed = {}
     for pps, tiles in itertools.product(SWEEP_PROGRAMS_PER_SM, SWEEP_TILES):
         with decode_settings((pps, *tiles)):

@@ -121,7 +121,7 @@ step_tests() {
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 14)
     # shellcheck disable=SC2046  # the test paths are meant to split
     run "$OUT/tests/gpu-tests.log" 450 "$PY" scripts/gpu_suite.py --out "$OUT/tests/gpu-tests.json" \
-        -- $(parts "$1" tests/attention) "${xdist[@]}" -q
+        -- $(parts "$1" tests/attention) "${xdist[@]}" -q -m "slow or not slow"
     SUMMARIES+=(summary_tests)
 }
 summary_tests() {

@@ -286,7 +286,8 @@ class Trainer:
         model.eval()
         batches = (part for batch in self.sampler.val(self.config.run.eval_batches) for part in split(batch, n))
         result = evaluate(self.step_fn.loss, batches, self.token_bytes, self.ctx)
-        free_gathered_weights(model)
+        if self.ctx.parallel == "fsdp":
+            free_gathered_weights(model)
         model.train()
         return result
 

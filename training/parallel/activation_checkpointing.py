@@ -29,7 +29,6 @@ def _kept_ops() -> set[Any]:
 
 _KEPT = _kept_ops()
 
-
 _KEPT_CUSTOM = {"flash_lm::flash_attn_fwd"}  # the flash backend's attention, as an op (attention/flash/api.py)
 
 

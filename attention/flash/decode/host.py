@@ -168,7 +168,7 @@ class DecodePlan:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_len: CacheLen) -> torch.Tensor:
         o = empty_like(q)
-        lens = cache_len if type(cache_len) is torch.Tensor else q  # an int is in the launch; q is never read
+        lens = cache_len if isinstance(cache_len, torch.Tensor) else q  # an int is in the launch; q is never read
         if self.combine is None:
             self.partial(q, k_cache, v_cache, lens, o, o)
             return o
@@ -186,13 +186,14 @@ def _signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ca
     """What decides a decode call's launches: shapes, strides, dtype, device and 16-byte alignment of q and the
     caches; cache_len's shape, strides, dtype and alignment (a tensor) or value (an int); the arguments; the
     current device."""
-    if type(cache_len) is torch.Tensor:
+    if isinstance(cache_len, torch.Tensor):
         lens = (cache_len.shape, cache_len.stride(), cache_len.dtype, cache_len.data_ptr() % 16 == 0)
     else:
         lens = cache_len
     return (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), q.dtype,
-            q.device, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, lens,
-            scale, num_splits, window, softcap, torch.cuda.current_device() if q.is_cuda else None)
+            k_cache.dtype, v_cache.dtype, q.device, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0,
+            v_cache.data_ptr() % 16 == 0, lens, scale, num_splits, window, softcap,
+            torch.cuda.current_device() if q.is_cuda else None)
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,

@@ -106,7 +106,8 @@ def decode_partial_kernel(
         tl.store(O + b * stride_ob + h[:, None] * stride_oh + j[:, None] * stride_om + offs_d[None, :] * stride_od,
                  o.to(O.dtype.element_ty), mask=real[:, None] & mask_d[None, :])
     else:
-        part = (bkv * GROUP * n_new + offs_r) * n_splits + split  # rows in (sequence, head, new token) order
+        # Rows in (sequence, head, new token) order; int64: rows x splits x d_head may pass 2^31.
+        part = (bkv.to(tl.int64) * GROUP * n_new + offs_r) * n_splits + split
         tl.store(PART + part[:, None] * head_dim + offs_d[None, :], o, mask=real[:, None] & mask_d[None, :])
         tl.store(PART + lse_offset + part, lse, mask=real)
 
@@ -118,7 +119,7 @@ def decode_combine_kernel(
     lse_offset, n_heads, n_new, head_dim, n_splits,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: rows x splits x d_head may pass 2^31
     bh = row // n_new
     j = row % n_new
     b = (bh // n_heads).to(tl.int64)

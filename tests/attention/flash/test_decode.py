@@ -201,6 +201,19 @@ def test_a_seen_signature_runs_its_plan(num_splits):
     assert len(host._plans) == 3
 
 
+class Lengths(torch.Tensor):
+    """A tensor subclass, as a wrapper library might pass the lengths."""
+
+
+def test_lengths_of_a_tensor_subclass_are_read_on_every_call():
+    host._plans.clear()
+    for seed in (41, 42):
+        q, k, v, cache_len = inputs(2, 2, 300, kv_heads=2, d=16, seed=seed)
+        o = decode_triton(q, k, v, cache_len.as_subclass(Lengths), 0.25)
+        torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.25), **TOLERANCE[torch.float32])
+    assert len(host._plans) == 1
+
+
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_plans_launch_the_compiled_kernels_on_gpu(num_splits):
