@@ -1,8 +1,8 @@
 """The registered `flash` backend: what it can run, and one route to the kernels for eager and compiled calls.
 
 Eager calls go through `FlashAttention`, an autograd.Function: it costs less host time than a torch.library
-operator, and short sequences are bound by host time. Compiled calls go through the operators
-flash_lm::flash_attn_fwd and flash_lm::flash_attn_bwd. Both reach the kernels through dispatch.forward and
+operator, and short sequences are bound by host time. Compiled calls, and eager calls under a dispatch mode, go
+through the operators flash_lm::flash_attn_fwd and flash_lm::flash_attn_bwd. Both reach the kernels through dispatch.forward and
 dispatch.backward, which choose them.
 """
 
@@ -12,6 +12,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from attention.flash import dispatch
 from attention.flash.common import default_scale, empty_like
@@ -141,8 +142,9 @@ flash_op, flash_backward_op = _operators(traceable=not triton.interpreting())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                     window: Optional[int] = None, softcap: Optional[float] = None,
                     doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        # Read while tracing, so the compiled code guards on them; a capture in progress cannot be asked here.
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        # Read while tracing, so the compiled code guards on them; a capture in progress cannot be asked here. A
+        # dispatch mode (selective activation checkpointing's) sees the operator, where the Function hides its inside.
         return flash_op(q, k, v, causal, dispatch.checked_scale(scale), graph_replay_requested(),
                         dispatch.kernels_in_use(), window, softcap, doc_ids)[0]
     if window is None and softcap is None and doc_ids is None:  # fewer arguments: less host time in apply()

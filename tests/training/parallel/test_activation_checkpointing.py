@@ -94,3 +94,27 @@ def test_selective_recomputation_redoes_no_matmul(policy, batch, seq):
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown recomputation policy 'most'"):
         checkpoint_blocks(TransformerLM(CFG, ATTN), "most")
+
+
+@pytest.mark.parametrize("policy, redone", [("full", CFG.n_layers), ("selective", 0)])
+def test_selective_recomputation_keeps_flash_attention(policy, redone, monkeypatch):
+    """The flash backend's attention, eager: full recomputation runs its forward again in the backward, selective keeps
+    its output (the policy sees it as an operator)."""
+    from attention import why_not
+    from attention.flash import dispatch
+
+    q = torch.randn(1, 2, 8, 16)
+    if why_not("flash", q, q, q, True) is not None:
+        pytest.skip(why_not("flash", q, q, q, True))
+    calls = []
+    for name in ("run_forward", "flash_forward"):
+        original = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _f=original, **k: calls.append(1) or _f(*a, **k))
+    torch.manual_seed(0)
+    model = TransformerLM(CFG, "flash")
+    checkpoint_blocks(model, policy)
+    loss = model(torch.randint(0, CFG.vocab_size, (2, 16))).square().mean()
+    forwards = len(calls)
+    loss.backward()
+    assert forwards == CFG.n_layers
+    assert len(calls) - forwards == redone
