@@ -157,6 +157,8 @@ def _add_quality_flags(p: argparse.ArgumentParser) -> None:
                    help="validation bits per byte every this many seconds of training (default 60)")
     q.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation (default 10)")
     q.add_argument("--target-bpb", type=float, help="the target (default: the first recipe's final value)")
+    q.add_argument("--devices", help="train the recipes side by side, one at a time on each of these devices (e.g. "
+                                     "cuda:0,cuda:1,cuda:2,cuda:3; default: one after another on --device)")
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(str(e))
     if QUALITY_MODE in args.mode:
         return check_quality_args(p, args)
+    if args.devices:
+        p.error(f"--devices spreads --mode {QUALITY_MODE}'s recipes over devices; --parallel runs one model on "
+                "several GPUs")
     for name, value in SWEEP_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -349,8 +354,29 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
              for k, m in _models(p, args).items()}
     args.quality = QualitySettings(sizes, list(dict.fromkeys(recipes)), args.data, 60 * args.minutes,
                                    args.eval_interval_s, args.target_bpb, args.seed, args.eval_batches,
-                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache")
+                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache",
+                                   quality_devices(p, args))
     return args
+
+
+def quality_devices(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
+    """--devices, checked: each a device of --device's type (the recipes' configurations are resolved for it),
+    each CUDA one visible and named once."""
+    if args.devices is None:
+        return ()
+    devices = _split([args.devices])
+    for name in devices:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            p.error(f"--devices: {name!r} is not a device (cpu, cuda:0, ...)")
+        if device.type != args.device.type:
+            p.error(f"--devices: {name} is not a {args.device.type} device, as --device {args.device} is")
+        if device.type == "cuda" and (device.index is None or device.index >= torch.cuda.device_count()):
+            p.error(f"--devices: {name} is not one of the {torch.cuda.device_count()} GPUs visible (cuda:0, ...)")
+    if len({d for d in devices if d != "cpu"}) < sum(d != "cpu" for d in devices):
+        p.error("--devices: a GPU is named twice; each trains one recipe at a time")
+    return tuple(devices)
 
 
 def quality_overrides(args: argparse.Namespace, dtypes: list[str]) -> dict[tuple[str, str], Any]:

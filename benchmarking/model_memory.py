@@ -81,14 +81,15 @@ class MemoryBreakdown:
 def param_count(cfg: ModelConfig) -> int:
     """Exactly TransformerLM(cfg).num_params(): embedding, blocks, final norm, untied LM head."""
     d, f, v, kv = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.kv_heads * cfg.d_head
-    per_layer = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # qkv (k, v: kv heads), out-proj, w1 w2 w3, 2 gains
+    mlp = cfg.mlp_matrices * d * f  # SwiGLU's w1 w2 w3 or ReLU²'s w1 w2
+    per_layer = d * (d + 2 * kv) + d * d + mlp + 2 * d  # qkv (k, v: kv heads), out-proj, the MLP, 2 gains
     return v * d + cfg.n_layers * per_layer + d + d * v
 
 
 def matmul_weight_count(cfg: ModelConfig) -> int:
     """Parameters that autocast casts to bf16: every Linear weight (not the embedding or norm gains)."""
     d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.d_head
-    return cfg.n_layers * (d * (d + 2 * kv) + d * d + 3 * d * f) + d * cfg.vocab_size
+    return cfg.n_layers * (d * (d + 2 * kv) + d * d + cfg.mlp_matrices * d * f) + d * cfg.vocab_size
 
 
 def _check(dtype: str, mode: str, batch: int, seq: int) -> None:

@@ -18,6 +18,7 @@ are those of its first evaluation at or below it (a resolution of --eval-interva
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -58,6 +59,12 @@ class QualitySettings:
     eval_batches: int
     overrides: dict[tuple[str, str], Any]  # (section, field) -> value of the flags given, over each recipe
     cache_dir: Path  # the token cache of text data
+    devices: tuple[str, ...] = ()  # more than one: recipes side by side, one per device (quality_devices.py)
+
+
+def with_device(config: Config, device: str) -> Config:
+    """`config` run on `device`."""
+    return dataclasses.replace(config, execution=dataclasses.replace(config.execution, device=device))
 
 
 def recipe_label(spec: str) -> str:
@@ -153,7 +160,7 @@ class RecipeRun:
         else:  # no speed measured yet (the warm-up steps): the start of a long run's schedule
             planned = UNKNOWN_STEPS
         warmup = o.warmup_steps if self.explicit_warmup else default_warmup_steps(planned)
-        return lr_at(self.steps, o.lr, o.min_lr, warmup, planned)
+        return lr_at(self.steps, o.lr, o.min_lr, warmup, planned, o.schedule, o.decay_fraction)
 
     def train_step(self, clock_s: float, budget_s: float) -> torch.Tensor:
         self.step.set_lr(self.lr(clock_s, budget_s))
@@ -321,8 +328,8 @@ def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: Dat
 
 
 def compare(settings: QualitySettings, say: Say) -> tuple[list[Outcome], bool]:
-    """Every size and recipe in turn; (outcomes, whether a Ctrl-C or SIGTERM ended it early: then the recipe that
-    was training keeps the evaluations it had)."""
+    """Every size and recipe in turn, or side by side on settings.devices; (outcomes, whether a Ctrl-C or SIGTERM
+    ended it early: then the recipe that was training keeps the evaluations it had)."""
     from benchmarking.interruption import sigterm_as_interrupt
 
     lengths = sorted({m.context_length for m in settings.sizes.values()})
@@ -331,14 +338,25 @@ def compare(settings: QualitySettings, say: Say) -> tuple[list[Outcome], bool]:
     outcomes: list[Outcome] = []
     try:
         with sigterm_as_interrupt():
-            for (size, spec), (config, explicit) in planned.items():
-                say(f"{size} {recipe_label(spec)}: {config.optim.optimizer} lr {config.optim.lr:g}, "
-                    f"{', '.join(execution_words(config))}; {settings.budget_s:g} s of training")
-                run_one(spec, size, (config, explicit), sources[config.model.context_length], settings, say,
-                        outcomes)
+            if len(settings.devices) > 1:
+                from benchmarking.quality_devices import side_by_side
+
+                for (size, spec), (config, _) in planned.items():
+                    say(plan_line(size, spec, config, settings))
+                side_by_side(settings, planned, say, outcomes)
+            else:
+                for (size, spec), (config, explicit) in planned.items():
+                    say(plan_line(size, spec, config, settings))
+                    run_one(spec, size, (config, explicit), sources[config.model.context_length], settings, say,
+                            outcomes)
         return outcomes, False
     except KeyboardInterrupt:
         return outcomes, True
+
+
+def plan_line(size: str, spec: str, config: Config, settings: QualitySettings) -> str:
+    return (f"{size} {recipe_label(spec)}: {config.optim.optimizer} lr {config.optim.lr:g}, "
+            f"{', '.join(execution_words(config))}; {settings.budget_s:g} s of training")
 
 
 def execution_words(config: Config) -> list[str]:

@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 
+MLPS = {"swiglu": 3, "relu2": 2}  # name: its matrices
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     d_model: int = 768
@@ -22,6 +25,13 @@ class ModelConfig:
     window: Optional[int] = None
     window_pattern: str = "L"
     attn_softcap: Optional[float] = None
+    # Recipe options (training/recipes.py, docs/training.md: each measured on its own). qk_norm: each head's queries
+    # and keys RMS-normalised (no gain) before attention. mlp: "swiglu" w2(silu(w1 x) * w3 x), or "relu2"
+    # w2(relu(w1 x)^2), two matrices. zero_init_residual: the attention output and MLP down projections start at
+    # zero, so that each block starts as the identity.
+    qk_norm: bool = False
+    mlp: str = "swiglu"
+    zero_init_residual: bool = False
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -48,7 +58,14 @@ class ModelConfig:
             return f"window_pattern {self.window_pattern} needs window (the local layers' window)"
         if self.attn_softcap is not None and not self.attn_softcap > 0:
             return f"attn_softcap must be > 0, got {self.attn_softcap}"
+        if self.mlp not in MLPS:
+            return f"mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}"
         return None
+
+    @property
+    def mlp_matrices(self) -> int:
+        """d_model x d_ff matrices per MLP: SwiGLU's w1, w3, w2, or ReLU²'s w1, w2."""
+        return MLPS[self.mlp]
 
     @property
     def d_head(self) -> int:

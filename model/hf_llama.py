@@ -93,6 +93,10 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         found.append(f"sliding-window attention (window {cfg.window}, pattern {cfg.window_pattern})")
     if cfg.attn_softcap is not None:
         found.append(f"attention softcap {cfg.attn_softcap:g}")
+    if cfg.qk_norm:
+        found.append("QK-norm")
+    if cfg.mlp != "swiglu":
+        found.append(f"the {cfg.mlp} MLP (Llama's is SwiGLU)")
     return found
 
 

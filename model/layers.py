@@ -1,4 +1,4 @@
-"""Building blocks: Linear and Embedding with the project's init, RMSNorm, SwiGLU, RoPE."""
+"""Building blocks: Linear and Embedding with the project's init, RMSNorm, the MLPs (SwiGLU, ReLU²), RoPE."""
 
 from __future__ import annotations
 
@@ -142,9 +142,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (rms_normalized(x.float(), self.eps) * self.weight.float()).to(x.dtype)
+
+
+def rms_normalized(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, in x's dtype (callers pass fp32 for an fp32 result)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+class ReLUSquared(nn.Module):
+    """w2(relu(w1 x)^2): two matrices where SwiGLU has three (So et al., "Primer", 2021; modded-nanogpt's MLP)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff)
+        self.w2 = Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.relu(self.w1(x)).square())
 
 
 class SwiGLU(nn.Module):

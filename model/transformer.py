@@ -13,7 +13,7 @@ from attention import get_attention
 from model.config import ModelConfig
 from model.fused_rope import split_heads, split_rotate
 from model.kv_cache import KVCache, LayerCache
-from model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from model.layers import Embedding, Linear, ReLUSquared, RMSNorm, RotaryEmbedding, SwiGLU, rms_normalized
 
 
 class CausalSelfAttention(nn.Module):
@@ -21,7 +21,8 @@ class CausalSelfAttention(nn.Module):
 
     With n_kv_heads < n_heads (GQA) the fused projection is (q: heads, k: kv heads, v: kv heads) * d_head wide, and
     the backend gets k and v with their kv heads (never repeated). window: this layer's sliding window, or None;
-    attn: the attention backend's name in the registry.
+    attn: the attention backend's name in the registry. With cfg.qk_norm each head's q and k are RMS-normalised;
+    without a gain that commutes with RoPE's rotation (a rotation keeps the norm), so it is applied after it.
     """
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: Optional[int] = None, attn: str = "sdpa"):
@@ -30,6 +31,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_heads * cfg.d_head)
         self.out = Linear(cfg.d_model, cfg.d_model)
         self.rope = rope
+        self.qk_norm = cfg.qk_norm
         self.attn_name = attn
         self.attend = get_attention(attn)
         # Only the variants in use reach the backend, so a plain model runs on every backend.
@@ -43,6 +45,7 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)  # (batch, seq, (heads + 2 kv_heads) * d_head)
         if cache is not None:  # sampling: RoPE at the cached positions, and the backend's decode attention
             q, k, v = split_heads(qkv, self.n_heads, self.n_kv_heads)
+            q, k = self.normalized(q, k)
             return self.out(cache.attend(q, k, v, self.rope, self.attend, self.variant))
         # q, k and v get storage of their own in (batch, seq, heads, d_head) order, seen by the backend as (batch,
         # heads, seq, d_head) views. Own storage: v saved for backward as a view would keep the whole projection
@@ -50,6 +53,7 @@ class CausalSelfAttention(nn.Module):
         # view, not a second copy of o beside the one the backend saves.
         cos, sin = rope_angles or self.rope.angles(x.shape[1])  # ([batch,] seq, d_head / 2)
         q, k, v = split_rotate(qkv, self.n_heads, self.n_kv_heads, cos, sin)
+        q, k = self.normalized(q, k)
         q, k, v = (einx.id("b s h d -> b h s d", t) for t in (q, k, v))
         if doc_ids is None:
             o = self.attend(q, k, v, causal=True, **self.variant)
@@ -57,16 +61,25 @@ class CausalSelfAttention(nn.Module):
             o = self.attend(q, k, v, causal=True, doc_ids=doc_ids, **self.variant)
         return self.out(einx.id("b h s d -> b s (h d)", o))
 
+    def normalized(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k (..., d_head), RMS-normalised over d_head (in fp32, returned in their dtype) under qk_norm."""
+        if not self.qk_norm:
+            return q, k
+        return tuple(rms_normalized(t.float()).to(t.dtype) for t in (q, k))  # type: ignore[return-value]
+
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then x + swiglu(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); the MLP is SwiGLU or ReLU² (cfg.mlp)."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer: int = 0, attn: str = "sdpa"):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg, rope, cfg.layer_window(layer), attn)
         self.ffn_norm = RMSNorm(cfg.d_model)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff) if cfg.mlp == "swiglu" else ReLUSquared(cfg.d_model, cfg.d_ff)
+        if cfg.zero_init_residual:
+            nn.init.zeros_(self.attn.out.weight)
+            nn.init.zeros_(self.ffn.w2.weight)
 
     def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None, doc_ids: Optional[torch.Tensor] = None,
                 rope_angles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:

@@ -124,6 +124,8 @@ def test_a_stop_keeps_what_was_measured(tmp_path, text_file, monkeypatch):
     (["--minutes", "0"], "--minutes must be > 0, got 0"),
     (["--eval-interval-s", "-1"], "--eval-interval-s must be > 0, got -1"),
     (["--cuda-graph", "on"], "recipe adamw: --cuda-graph: CUDA graphs need a GPU"),
+    (["--devices", "cpu,gpu"], "--devices: 'gpu' is not a device (cpu, cuda:0, ...)"),
+    (["--devices", "cpu,cuda:0"], "--devices: cuda:0 is not a cpu device, as --device cpu is"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -139,3 +141,28 @@ def test_a_target_never_reached_is_said(tmp_path, text_file):
     assert rows[0]["target_bpb"] == 0.5 and rows[0]["reached"] is False and rows[0]["time_to_target_s"] is None
     assert math.isfinite(rows[0]["final_bpb"])
     assert "- custom adamw: never reached 0.5000 bpb in" in (tmp_path / "results.md").read_text()
+
+
+def test_devices_belong_to_time_to_quality(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_model.main(["--mode", "train-step", "--device", "cpu", "--devices", "cpu,cpu", "--out", str(tmp_path)])
+    assert capsys.readouterr().err == ("error: --devices spreads --mode time-to-quality's recipes over devices; "
+                                       "--parallel runs one model on several GPUs\n")
+
+
+@pytest.mark.slow  # two processes each start Python and train
+def test_recipes_side_by_side_measure_what_one_after_another_does(tmp_path, text_file, capsys):
+    """Three recipes on two devices (processes): every outcome comes back in the plan's order with its curve, the
+    target is the first recipe's final value, and the lines name the device that trained each."""
+    recipe = tmp_path / "wsd.json"
+    recipe.write_text('{"optim": {"schedule": "wsd"}, "model": {"qk_norm": true, "mlp": "relu2"}}')
+    rows = bench_model.main([*TINY, "--recipes", f"adamw,muon,{recipe}", "--data", str(text_file), "--minutes",
+                             str(2 / 60), "--eval-interval-s", "1", "--devices", "cpu,cpu", "--out",
+                             str(tmp_path / "out")])
+    assert [(r["recipe"], r["status"]) for r in rows] == [("adamw", "ok"), ("muon", "ok"), ("wsd", "ok")]
+    assert all(r["target_bpb"] == rows[0]["final_bpb"] and r["evals"] >= 2 and r["steps"] > 0 for r in rows)
+    curves = read_csv(tmp_path / "out" / "curves.csv")
+    assert {c["recipe"] for c in curves} == {"adamw", "muon", "wsd"}
+    out = capsys.readouterr().out
+    assert re.search(r"^\[cpu\] custom wsd: \d+/2 s, step \d+", out, re.M)
+    assert "custom wsd: muon" not in out and "custom wsd: adamw lr 0.0006" in out

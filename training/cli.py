@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, NoReturn, Optional, Sequence
 
 from model import PRESETS, ModelConfig, config_for
+from model.config import MLPS
 from training.config import SECTIONS, Config, ConfigError
 from training.recipes import RECIPES, recipe_sections, recipes_help
 
@@ -30,7 +31,7 @@ MODEL_HELP = {
     "d_model": "width (default: the --size preset's)",
     "n_layers": "number of blocks (default: the preset's)",
     "n_heads": "attention heads (default: the preset's)",
-    "d_ff": "SwiGLU hidden size (default: the preset's)",
+    "d_ff": "MLP hidden size (default: the preset's)",
     "context_length": "tokens per training sequence (the RoPE tables' length)",
     "n_kv_heads": "key/value heads: grouped-query attention (default: as many as --n-heads)",
     "window": "sliding-window attention of this many keys in the local layers",
@@ -38,6 +39,9 @@ MODEL_HELP = {
                       "with full attention",
     "attn_softcap": "cap attention scores at c * tanh(s / c)",
     "rope_theta": "RoPE base",
+    "qk_norm": "RMS-normalise each head's queries and keys before attention",
+    "mlp": "the MLP: swiglu, or relu2 (w2(relu(w1 x)^2), two matrices)",
+    "zero_init_residual": "start the attention output and MLP down projections at zero",
 }
 MODEL_MAIN = ("d_model", "n_layers", "n_heads", "context_length", "n_kv_heads", "window")
 DERIVED = {("model", "vocab_size")}  # set from the data (--vocab-size, the data's vocabulary), not by a flag of its own
@@ -61,7 +65,8 @@ def _field_type(section: str, name: str) -> Any:
 
 def _meta(section: str, name: str) -> dict[str, Any]:
     if section == "model":
-        return {"help": MODEL_HELP.get(name, ""), "main": name in MODEL_MAIN, "choices": None, "flag": None}
+        return {"help": MODEL_HELP.get(name, ""), "main": name in MODEL_MAIN,
+                "choices": list(MLPS) if name == "mlp" else None, "flag": None}
     return dict({f.name: f.metadata for f in fields(SECTIONS[section])}[name])
 
 

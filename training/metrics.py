@@ -42,7 +42,7 @@ def peak_flops(device: torch.device | str) -> Optional[float]:
 def non_embedding_params(cfg: ModelConfig) -> int:
     """Parameters other than the token embedding, from the config alone (GQA: k and v project to kv heads)."""
     attention = 2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * cfg.kv_heads * cfg.d_head  # q and out; k and v
-    per_layer = attention + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
+    per_layer = attention + cfg.mlp_matrices * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
     return cfg.n_layers * per_layer + cfg.d_model + cfg.d_model * cfg.vocab_size
 
 

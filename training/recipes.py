@@ -32,6 +32,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("muon", f"Muon for the blocks' matrices, AdamW for the rest (training/optim/muon.py), lr {MUON_LR:g} "
                    "(2x adamw's, from a CPU sweep)",
            {"optim": {"optimizer": "muon", "lr": MUON_LR}}),
+    Recipe("speedrun", "muon plus the architecture changes that paid in the time-to-quality benchmark (docs/training.md): "
+                       "QK-norm, the ReLU² MLP, zero-initialised residual projections, windows of 256 in three "
+                       "layers of four",
+           {"optim": {"optimizer": "muon", "lr": MUON_LR},
+            "model": {"qk_norm": True, "mlp": "relu2", "zero_init_residual": True, "window": 256,
+                      "window_pattern": "LLLG"}}),
 )}
 
 

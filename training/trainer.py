@@ -20,7 +20,7 @@ import torch
 from model import TransformerLM
 from training.checkpoint.resume import load_checkpoint, save_checkpoint
 from training.cli import write_config
-from training.config import Config
+from training.config import Config, OptimConfig
 from training.data import open_source, vocab_of
 from training.data.record import check_resume_data, record_data
 from training.data.sampling import Sampler
@@ -130,7 +130,9 @@ class Trainer:
         params = self.model.num_params()
         variants = ([f"{m.kv_heads} kv heads"] if m.kv_heads != m.n_heads else []) + (
             [f"window {m.window} ({m.window_pattern})"] if m.window else []) + (
-            [f"softcap {m.attn_softcap:g}"] if m.attn_softcap else [])
+            [f"softcap {m.attn_softcap:g}"] if m.attn_softcap else []) + (["QK-norm"] if m.qk_norm else []) + (
+            [f"{m.mlp} MLP"] if m.mlp != "swiglu" else []) + (["zero-initialised residual projections"]
+                                                               if m.zero_init_residual else [])
         ranks = f", {c.execution.parallel} over {self.ctx.world_size} ranks" if self.ctx.is_distributed else ""
         return (f"model: {params / 1e6:.1f}M parameters, d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads"
                 f"{''.join(', ' + v for v in variants)}, context {m.context_length}, vocabulary {m.vocab_size}; "
@@ -140,7 +142,7 @@ class Trainer:
                 f"{', packed by documents' if c.data.pack_documents else ''}; "
                 f"{flops_per_token(m) / 1e9:.2f} GFLOP per token\n"
                 f"steps {self.state.step} to {c.run.steps}, {c.optim.optimizer} lr {c.optim.lr:g} (warm-up "
-                f"{c.optim.warmup_steps}, cosine to {c.optim.min_lr:g})"
+                f"{c.optim.warmup_steps}, {schedule_words(c.optim)})"
                 + (f"\n{self.init.describe()}" if self.init else ""))
 
     # ------------------------------------------------------------------------------------------------ the loop
@@ -204,7 +206,7 @@ class Trainer:
 
     def _train_step(self, step: int, report: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
         o = self.config.optim
-        lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, self.config.run.steps)
+        lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, self.config.run.steps, o.schedule, o.decay_fraction)
         self.step_fn.set_lr(lr)
         batch = self.sampler.train(step)
         loss, grad_norm = self.step_fn(batch.inputs, batch.targets, batch.doc_ids, want_norm=report)
@@ -373,3 +375,10 @@ def format_postfix(m: dict[str, Any]) -> str:
     if "val_bpb" in m:
         parts.append(f"{m['val_bpb']:.3f} bpb")
     return ", ".join(parts)
+
+
+def schedule_words(o: OptimConfig) -> str:
+    """The decay after the warm-up, in words."""
+    if o.schedule == "wsd":
+        return f"constant, then linear to {o.min_lr:g} over the last {o.decay_fraction:.0%} of the steps"
+    return f"cosine to {o.min_lr:g}"

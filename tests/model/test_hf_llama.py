@@ -108,3 +108,8 @@ def test_windows_and_softcap_are_what_llama_cannot_express():
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, window=8, window_pattern="LG", attn_softcap=30.0)
     assert mismatches(cfg) == ["sliding-window attention (window 8, pattern LG)", "attention softcap 30"]
     assert mismatches(ModelConfig(window=8, window_pattern="G")) == []  # no local layer: every layer is global
+
+
+def test_qk_norm_and_relu2_are_what_llama_cannot_express():
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, qk_norm=True, mlp="relu2", zero_init_residual=True)
+    assert mismatches(cfg) == ["QK-norm", "the relu2 MLP (Llama's is SwiGLU)"]  # zero init is only a start

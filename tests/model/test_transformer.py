@@ -155,3 +155,68 @@ def test_bad_dims_name_the_problem():
 def test_flops_per_token_formula():
     cfg = config_for("small", context_length=1024)
     assert flops_per_token(cfg) == 6 * non_embedding_params(cfg) + 12 * 12 * 768 * 1024
+
+
+def reference_attention(attention, x: torch.Tensor) -> torch.Tensor:
+    """CausalSelfAttention's forward written out in x's dtype: projections, RoPE, QK-norm (each head's q and k over
+    their RMS, no gain), causal softmax attention, output projection."""
+    b, s, _ = x.shape
+    h, kv, d = attention.n_heads, attention.n_kv_heads, attention.qkv.weight.shape[1] // attention.n_heads
+    q, k, v = (x @ attention.qkv.weight.T).split([h * d, kv * d, kv * d], dim=-1)
+    q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, d_head)
+    q, k = attention.rope(q), attention.rope(k)
+    if attention.qk_norm:
+        q, k = (t / t.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() for t in (q, k))
+    scores = q @ k.repeat_interleave(h // kv, dim=1).transpose(-1, -2) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    o = scores.softmax(-1) @ v.repeat_interleave(h // kv, dim=1)
+    return o.transpose(1, 2).reshape(b, s, h * d) @ attention.out.weight.T
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_attention_with_and_without_qk_norm_against_float64(qk_norm, n_kv_heads):
+    attention = TransformerLM(ModelConfig(**TINY, qk_norm=qk_norm, n_kv_heads=n_kv_heads)).blocks[0].attn.double()
+    x = torch.randn(2, 24, 64, dtype=torch.float64)
+    # Tolerance above float64's: the RoPE tables hold fp32 values.
+    torch.testing.assert_close(attention(x), reference_attention(attention, x), atol=1e-6, rtol=1e-5)
+
+
+def test_qk_norm_bounds_the_scores_whatever_the_weights():
+    """With unit-RMS q and k a score is at most sqrt(d_head): scaled-up q/k weights no longer sharpen attention."""
+    torch.manual_seed(0)
+    plain, normed = (TransformerLM(ModelConfig(**TINY, qk_norm=flag)).blocks[0].attn for flag in (False, True))
+    normed.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 24, 64)
+    before = normed(x)
+    for attention in (plain, normed):
+        with torch.no_grad():
+            attention.qkv.weight[:128] *= 100  # q and k rows
+    torch.testing.assert_close(normed(x), before, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(plain(x), before, atol=1e-2)
+
+
+def test_relu2_mlp_against_float64():
+    from model.layers import ReLUSquared
+
+    model = TransformerLM(ModelConfig(**TINY, mlp="relu2")).double()
+    mlp = model.blocks[0].ffn
+    assert isinstance(mlp, ReLUSquared) and not hasattr(mlp, "w3")
+    x = torch.randn(3, 5, 64, dtype=torch.float64)
+    torch.testing.assert_close(mlp(x), (x @ mlp.w1.weight.T).clamp(min=0).pow(2) @ mlp.w2.weight.T)
+    assert model.num_params(non_embedding=True) == non_embedding_params(model.cfg)  # two matrices counted
+
+
+def test_zero_init_residual_starts_every_block_as_the_identity():
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(**TINY, zero_init_residual=True))
+    x = torch.randn(2, 24, 64)
+    for block in model.blocks:
+        assert not block.attn.out.weight.any() and not block.ffn.w2.weight.any()
+        torch.testing.assert_close(block(x), x)
+    assert model.blocks[0].attn.qkv.weight.std() > 0  # the rest keeps its init
+
+
+def test_an_unknown_mlp_names_the_choices():
+    with pytest.raises(ValueError, match="mlp must be one of swiglu, relu2, got 'gelu'"):
+        ModelConfig(mlp="gelu")

@@ -72,6 +72,13 @@ def test_bad_values_are_one_line_errors(capsys):
     assert one_line_error(capsys, ["--dtype", "fp64"]).startswith("error: argument --dtype: invalid choice: 'fp64'")
     assert one_line_error(capsys, ["--device", "cpu", "--lr", "1e-4", "--min-lr", "1e-3"]) == \
         "error: --min-lr (0.001) is larger than --lr (0.0001)"
+    assert one_line_error(capsys, ["--mlp", "gelu"]).startswith("error: argument --mlp: invalid choice: 'gelu'")
+
+
+def test_a_config_file_with_an_unknown_mlp_names_it(capsys, tmp_path):
+    (tmp_path / "c.json").write_text('{"model": {"mlp": "gelu"}}')
+    assert one_line_error(capsys, ["--config", str(tmp_path / "c.json")]) == \
+        "error: --mlp must be one of swiglu, relu2, got 'gelu'"
 
 
 def test_size_fills_the_preset_and_explicit_shape_flags_win():
