@@ -160,7 +160,7 @@ class RecipeRun:
         else:  # no speed measured yet (the warm-up steps): the start of a long run's schedule
             planned = UNKNOWN_STEPS
         warmup = o.warmup_steps if self.explicit_warmup else default_warmup_steps(planned)
-        return lr_at(self.steps, o.lr, o.min_lr, warmup, planned, o.schedule, o.decay_fraction)
+        return lr_at(self.steps, o.lr, o.min_lr, warmup, planned)
 
     def train_step(self, clock_s: float, budget_s: float) -> torch.Tensor:
         self.step.set_lr(self.lr(clock_s, budget_s))

@@ -43,8 +43,9 @@
 #                --optimizer adamw then adamw-bf16, then scripts/kernel_categories.py: GPU ms per step by kernel
 #                category. Parts: small, large, 2.7B (shapes as in train-steps); by default large and 2.7B
 #   quality      time to quality: prepare_data.py python-packages (the installed packages' Python sources, BPE;
-#                its token counts in the log), then bench_model.py --mode time-to-quality, small, flash, adamw
-#                against muon, QUALITY_MINUTES (default 20) of training each, evaluated every 60 s: the time and
+#                its token counts in the log), then bench_model.py --mode time-to-quality, small and large, flash,
+#                adamw against muon and speedrun (side by side on several GPUs), QUALITY_MINUTES (default 20) of
+#                training each, evaluated every 60 s: the time and
 #                tokens each takes to reach adamw's final bits per byte, and the curves (curves.png)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
@@ -248,18 +249,23 @@ summary_train_variants() {
 # --- quality ---------------------------------------------------------------------------------------------------
 PACKAGES_DATA=data/python-packages-bpe8192
 step_quality() {
-    local dir="$OUT/quality"
-    # Each recipe: the budget, plus compilation and evaluations off the clock; the benchmark keeps what it measured
-    # when the limit stops it.
-    local limit=$(( 2 * (60 * QUALITY_MINUTES + 600) ))
+    local dir="$OUT/quality" gpus devices=() rounds=6  # 2 sizes x 3 recipes
+    # Several GPUs: the recipes side by side, one per GPU. Each recipe: the budget, plus compilation and evaluations
+    # off the clock; the benchmark keeps what it measured when the limit stops it.
+    gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+    if (( gpus > 1 )); then
+        devices=(--devices "$(seq -s, -f 'cuda:%g' 0 $(( gpus - 1 )))")
+        rounds=$(( (6 + gpus - 1) / gpus ))
+    fi
+    local limit=$(( rounds * (60 * QUALITY_MINUTES + 600) ))
     run "$dir/prepare_data.log" 3600 "$PY" prepare_data.py python-packages --out "$PACKAGES_DATA" || return
-    run "$dir/bench.log" "$limit" "$PY" bench_model.py --mode time-to-quality --sizes small --attn flash \
-        --recipes adamw,muon --data "$PACKAGES_DATA" --minutes "$QUALITY_MINUTES" --eval-interval-s 60 \
-        --out "$dir/bench"
+    run "$dir/bench.log" "$limit" "$PY" bench_model.py --mode time-to-quality --sizes small,large --attn flash \
+        --recipes adamw,muon,speedrun --data "$PACKAGES_DATA" --minutes "$QUALITY_MINUTES" --eval-interval-s 60 \
+        "${devices[@]}" --out "$dir/bench"
     SUMMARIES+=(summary_quality)
 }
 summary_quality() {
-    echo "## quality: small, flash, adamw against muon, $QUALITY_MINUTES min each ($OUT/quality/bench/results.md," \
+    echo "## quality: small and large, flash, adamw against muon and speedrun, $QUALITY_MINUTES min each ($OUT/quality/bench/results.md," \
          "curves.png)"
     grep -E "^preparing|^  (train|val):" "$OUT/quality/prepare_data.log" 2>/dev/null
     grep -E "^- " "$OUT/quality/bench/results.md" 2>/dev/null

@@ -445,16 +445,14 @@ def test_stepping_in_the_backward_on_the_gpu_graphed_trains_like_the_plain_step(
         torch.testing.assert_close([r[key] for r in rows], [r[key] for r in plain], rtol=1e-4, atol=1e-5)
 
 
-def test_a_run_with_recipe_options_follows_its_schedule_and_names_them(tmp_path, text_file, capsys):
-    """--schedule wsd sets each step's learning rate; the first lines name it and the model's recipe options."""
-    from training.optim.schedule import lr_at
-
-    code, rows, _ = run(tmp_path, text_file, "--steps", "10", "--warmup-steps", "2", "--schedule", "wsd",
-                        "--decay-fraction", "0.5", "--log-every", "1", "--qk-norm", "--mlp", "relu2",
-                        "--zero-init-residual")
+def test_a_run_with_the_recipe_options_names_them_and_saves_them(tmp_path, text_file, capsys):
+    """--qk-norm, --mlp relu2 and --zero-init-residual: said in the first lines, kept in config.json, and a resume
+    builds the same model (the ReLU² MLP has no w3 in its checkpoint)."""
+    flags = ["--qk-norm", "--mlp", "relu2", "--zero-init-residual", "--steps", "2", "--eval-every", "0"]
+    code, _, out = run(tmp_path, text_file, *flags)
     assert code == 0
-    out = capsys.readouterr().out
-    assert "constant, then linear to 0.0003 over the last 50% of the steps" in out
-    assert "QK-norm, relu2 MLP, zero-initialised residual projections" in out
-    lrs = [r["lr"] for r in rows if "lr" in r]
-    assert lrs == pytest.approx([lr_at(s, 3e-3, 3e-4, 2, 10, "wsd", 0.5) for s in range(10)])
+    assert "QK-norm, relu2 MLP, zero-initialised residual projections" in capsys.readouterr().out
+    model = json.loads((out / "config.json").read_text())["model"]
+    assert (model["qk_norm"], model["mlp"], model["zero_init_residual"]) == (True, "relu2", True)
+    assert train.main(["--resume", "--out", str(out), "--steps", "3", "--data", str(text_file),
+                       "--wandb", "disabled"]) == 0

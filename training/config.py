@@ -25,7 +25,6 @@ import torch
 
 from model import ModelConfig
 from training.fp8 import RECIPES as FP8_RECIPES
-from training.optim.schedule import SCHEDULES
 from training.parallel.activation_checkpointing import POLICIES as RECOMPUTE_POLICIES
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,18 +71,14 @@ class ExecutionConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer (training/optim registers them by name) and the learning rate's schedule."""
+    """The optimizer (training/optim registers them by name) and the learning rate's warm-up and cosine decay."""
 
     optimizer: str = option("adamw", "adamw (fp32 moments), adamw-bf16 (bf16 moments that also write the bf16 weight "
                                      "copies), muon (Muon for the blocks' matrices, AdamW for the rest), or any name "
                                      "in training/optim", True)
     lr: float = option(6e-4, "peak learning rate", True)
-    min_lr: float = option(6e-5, "learning rate at the end of the decay")
+    min_lr: float = option(6e-5, "learning rate at the end of the cosine decay")
     warmup_steps: Optional[int] = option(None, "linear warm-up steps; default 100, at most a tenth of the run", True)
-    schedule: str = option("cosine", "after the warm-up: cosine (decay to --min-lr over the run) or wsd (constant, "
-                                     "then linear decay to --min-lr over the last --decay-fraction of the steps)",
-                           choices=SCHEDULES)
-    decay_fraction: float = option(0.2, "wsd: the fraction of the steps that decays")
     weight_decay: float = option(0.1, "decoupled weight decay of the matrices")
     grad_clip: float = option(1.0, "clip the global gradient norm (0: none, and the optimizer then steps each "
                                    "parameter during the backward)", True)
@@ -251,8 +246,6 @@ def _check_values(config: Config) -> None:
             raise ConfigError(f"{flag} must be >= {least}, got {value:g}")
     if ex.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {ex.dist_timeout:g}")
-    if not 0 < op.decay_fraction <= 1:
-        raise ConfigError(f"--decay-fraction must be in (0, 1], got {op.decay_fraction:g}")
     if op.min_lr > op.lr:
         raise ConfigError(f"--min-lr ({op.min_lr:g}) is larger than --lr ({op.lr:g})")
     if ru.resume and ru.overwrite:

@@ -20,7 +20,7 @@ import torch
 from model import TransformerLM
 from training.checkpoint.resume import load_checkpoint, save_checkpoint
 from training.cli import write_config
-from training.config import Config, OptimConfig
+from training.config import Config
 from training.data import open_source, vocab_of
 from training.data.record import check_resume_data, record_data
 from training.data.sampling import Sampler
@@ -142,7 +142,7 @@ class Trainer:
                 f"{', packed by documents' if c.data.pack_documents else ''}; "
                 f"{flops_per_token(m) / 1e9:.2f} GFLOP per token\n"
                 f"steps {self.state.step} to {c.run.steps}, {c.optim.optimizer} lr {c.optim.lr:g} (warm-up "
-                f"{c.optim.warmup_steps}, {schedule_words(c.optim)})"
+                f"{c.optim.warmup_steps}, cosine to {c.optim.min_lr:g})"
                 + (f"\n{self.init.describe()}" if self.init else ""))
 
     # ------------------------------------------------------------------------------------------------ the loop
@@ -206,7 +206,7 @@ class Trainer:
 
     def _train_step(self, step: int, report: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
         o = self.config.optim
-        lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, self.config.run.steps, o.schedule, o.decay_fraction)
+        lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, self.config.run.steps)
         self.step_fn.set_lr(lr)
         batch = self.sampler.train(step)
         loss, grad_norm = self.step_fn(batch.inputs, batch.targets, batch.doc_ids, want_norm=report)
@@ -375,10 +375,3 @@ def format_postfix(m: dict[str, Any]) -> str:
     if "val_bpb" in m:
         parts.append(f"{m['val_bpb']:.3f} bpb")
     return ", ".join(parts)
-
-
-def schedule_words(o: OptimConfig) -> str:
-    """The decay after the warm-up, in words."""
-    if o.schedule == "wsd":
-        return f"constant, then linear to {o.min_lr:g} over the last {o.decay_fraction:.0%} of the steps"
-    return f"cosine to {o.min_lr:g}"

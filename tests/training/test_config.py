@@ -123,8 +123,6 @@ def test_a_cuda_graph_asked_for_on_the_cpu_is_still_an_error(capsys):
     (dict(data={"vocab_size": 0}), "--vocab-size must be >= 1, got 0"),
     (dict(execution={"dist_timeout": 0.0}), "--dist-timeout must be > 0 seconds, got 0"),
     (dict(optim={"lr": 1e-4, "min_lr": 1e-3}), "--min-lr (0.001) is larger than --lr (0.0001)"),
-    (dict(optim={"schedule": "wsd", "decay_fraction": 0.0}), "--decay-fraction must be in (0, 1], got 0"),
-    (dict(optim={"schedule": "linear"}), "--schedule: unknown value 'linear'; valid: cosine, wsd"),
     (dict(run={"resume": True, "overwrite": True}), "--resume continues the run in --out and --overwrite moves it "
                                                     "aside: pass one of them"),
     (dict(execution={"dtype": "fp64"}), "--dtype: unknown value 'fp64'; valid: fp32, bf16, fp16"),

@@ -17,14 +17,3 @@ def test_warmup_is_linear_then_cosine_to_min():
     lrs = [lr_at(s, **kw) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
-
-@pytest.mark.parametrize("fraction", [0.2, 0.5, 1.0])
-def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fraction(fraction):
-    kw = dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110, schedule="wsd", decay_fraction=fraction)
-    assert [lr_at(s, **kw) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
-    start = max(10, 110 - round(fraction * 110))  # the decay never eats into the warm-up
-    assert all(lr_at(s, **kw) == 1.0 for s in range(10, start + 1))
-    for s in range(start, 111):
-        assert lr_at(s, **kw) == pytest.approx(1.0 - 0.9 * (s - start) / (110 - start))
-    assert lr_at(500, **kw) == pytest.approx(0.1)
-
