@@ -30,12 +30,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+RECIPE_OPTIONS = ModelConfig(**{**CFG.to_dict(), "qk_norm": True, "mlp": "relu2", "zero_init_residual": True})
+
+
 @pytest.mark.slow  # Inductor compiles the forward and the backward
-@pytest.mark.parametrize("recompute", [None, "full", "selective"],
-                         ids=["plain", "activation-checkpointing", "selective-activation-checkpointing"])
-def test_compiled_regions_give_the_eager_loss_and_gradients(recompute):
+@pytest.mark.parametrize("recompute, cfg", [(None, CFG), ("full", CFG), ("selective", CFG), (None, RECIPE_OPTIONS)],
+                         ids=["plain", "activation-checkpointing", "selective-activation-checkpointing",
+                              "qk-norm-relu2-zero-init"])
+def test_compiled_regions_give_the_eager_loss_and_gradients(recompute, cfg):
     torch.manual_seed(0)
-    eager, compiled = TransformerLM(CFG), TransformerLM(CFG)
+    eager, compiled = TransformerLM(cfg), TransformerLM(cfg)
     compiled.load_state_dict(eager.state_dict())
     if recompute:
         checkpoint_blocks(compiled, recompute)
