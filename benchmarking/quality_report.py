@@ -170,10 +170,12 @@ def plot_curves(curves: Sequence[dict[str, Any]], goal: dict[str, tuple[Optional
 def settings_line(settings: QualitySettings, goal: dict[str, tuple[Optional[float], str]]) -> str:
     aims = "; ".join(f"{size}: {t:.4f} bpb ({src})" if t is not None else f"{size}: {src}"
                      for size, (t, src) in goal.items())
+    where = (f" Recipes ran side by side, one at a time on each of {', '.join(settings.devices)}."
+             if len(settings.devices) > 1 else "")
     return (f"Data: {settings.data or 'the built-in corpus'}. Each recipe trains the same model from seed "
             f"{settings.seed} on the same batches for {settings.budget_s:g} s of training (the clock stops while it "
             f"evaluates; the first steps, which compile and capture, are timed apart), and is scored every "
-            f"{settings.interval_s:g} s on {settings.eval_batches} fixed validation batches. Target: {aims}.")
+            f"{settings.interval_s:g} s on {settings.eval_batches} fixed validation batches.{where} Target: {aims}.")
 
 
 MARKDOWN_COLUMNS = {"size": "size", "recipe": "recipe", "optimizer": "optimizer", "lr": "lr", "steps": "steps",

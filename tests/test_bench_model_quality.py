@@ -154,15 +154,16 @@ def test_devices_belong_to_time_to_quality(tmp_path, capsys):
 def test_recipes_side_by_side_measure_what_one_after_another_does(tmp_path, text_file, capsys):
     """Three recipes on two devices (processes): every outcome comes back in the plan's order with its curve, the
     target is the first recipe's final value, and the lines name the device that trained each."""
-    recipe = tmp_path / "wsd.json"
-    recipe.write_text('{"optim": {"schedule": "wsd"}, "model": {"qk_norm": true, "mlp": "relu2"}}')
+    recipe = tmp_path / "options.json"
+    recipe.write_text('{"model": {"qk_norm": true, "mlp": "relu2"}}')
     rows = bench_model.main([*TINY, "--recipes", f"adamw,muon,{recipe}", "--data", str(text_file), "--minutes",
                              str(2 / 60), "--eval-interval-s", "1", "--devices", "cpu,cpu", "--out",
                              str(tmp_path / "out")])
-    assert [(r["recipe"], r["status"]) for r in rows] == [("adamw", "ok"), ("muon", "ok"), ("wsd", "ok")]
+    assert [(r["recipe"], r["status"]) for r in rows] == [("adamw", "ok"), ("muon", "ok"), ("options", "ok")]
     assert all(r["target_bpb"] == rows[0]["final_bpb"] and r["evals"] >= 2 and r["steps"] > 0 for r in rows)
     curves = read_csv(tmp_path / "out" / "curves.csv")
-    assert {c["recipe"] for c in curves} == {"adamw", "muon", "wsd"}
+    assert {c["recipe"] for c in curves} == {"adamw", "muon", "options"}
     out = capsys.readouterr().out
-    assert re.search(r"^\[cpu\] custom wsd: \d+/2 s, step \d+", out, re.M)
-    assert "custom wsd: muon" not in out and "custom wsd: adamw lr 0.0006" in out
+    assert re.search(r"^\[cpu\] custom options: \d+/2 s, step \d+", out, re.M)
+    assert "custom options: muon" not in out and "custom options: adamw lr 0.0006" in out
+    assert "Recipes ran side by side, one at a time on each of cpu, cpu." in (tmp_path / "out" / "results.md").read_text()
