@@ -162,6 +162,17 @@ def test_packed_documents_replay_like_the_plain_steps(attn):
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=2e-3, atol=2e-3)
 
 
+def built_step(model_cfg: ModelConfig, graph: bool, execution: dict, optim: dict):
+    """(model, build_step's step) on the GPU from seed 0, captured in a CUDA graph or not."""
+    config = resolved(model_cfg, execution={"device": "cuda", "cuda_graph": graph, **execution}, optim=optim)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = TransformerLM(config.model, config.execution.attn)
+    step = build_step(model, config)
+    assert (step.graphed is not None) == graph
+    return model, step
+
+
 @requires_cuda
 @pytest.mark.parametrize("grad_clip", [0.0, 0.5], ids=["stepped-in-backward", "clipped"])
 def test_the_built_step_replays_like_the_eager_step_with_its_learning_rate_set_each_step(grad_clip):
@@ -169,13 +180,8 @@ def test_the_built_step_replays_like_the_eager_step_with_its_learning_rate_set_e
     the replays follow the schedule; losses, norms and weights as the eager step's."""
     results = []
     for graph in (False, True):
-        config = resolved(CFG, execution={"device": "cuda", "dtype": "fp32", "compile": False, "cuda_graph": graph},
-                          optim={"grad_clip": grad_clip})
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = TransformerLM(config.model, config.execution.attn)
-        step = build_step(model, config)
-        assert (step.graphed is not None) == graph
+        model, step = built_step(CFG, graph, execution={"dtype": "fp32", "compile": False},
+                                 optim={"grad_clip": grad_clip})
         row = []
         for i, (x, y) in enumerate(_batches(6, "cuda")):
             step.set_lr(1e-3 / (i + 1))
@@ -199,13 +205,8 @@ def test_the_speedrun_recipe_compiled_and_graphed_with_flash_trains_like_its_eag
     model_cfg = ModelConfig(**{**CFG.to_dict(), **sections["model"], "window": 8})
     losses = []
     for fast in (False, True):
-        config = resolved(model_cfg, execution={"device": "cuda", "dtype": "bf16", "attn": "flash", "compile": fast,
-                                                "cuda_graph": fast}, optim=sections["optim"])
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = TransformerLM(config.model, config.execution.attn)
-        step = build_step(model, config)
-        assert (step.graphed is not None) == fast
+        _, step = built_step(model_cfg, fast, execution={"dtype": "bf16", "attn": "flash", "compile": fast},
+                             optim=sections["optim"])
         row = []
         for x, y in _batches(6, "cuda"):
             step.set_lr(1e-3)
