@@ -352,10 +352,12 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
             p.error(f"--recipes: {spec!r} is neither a recipe ({', '.join(RECIPES)}) nor a JSON file")
     sizes = {k: m if not lengths else dataclasses.replace(m, context_length=lengths[0])
              for k, m in _models(p, args).items()}
+    devices = quality_devices(p, args)
+    if len(devices) == 1:  # one device: the recipes one after another on it
+        args.device, devices = torch.device(devices[0]), ()
     args.quality = QualitySettings(sizes, list(dict.fromkeys(recipes)), args.data, 60 * args.minutes,
                                    args.eval_interval_s, args.target_bpb, args.seed, args.eval_batches,
-                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache",
-                                   quality_devices(p, args))
+                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache", devices)
     return args
 
 

@@ -6,8 +6,8 @@ It holds config.json, model.safetensors, generation_config.json and, for a run o
     AutoModelForCausalLM.from_pretrained("out/llama"); AutoTokenizer.from_pretrained("out/llama")
 
 load it and compute our logits. It takes the run's newest checkpoint that loads, or --ckpt FILE; an FSDP run's
-sharded checkpoint is read as it is. Sliding windows, the attention softcap and --pack-documents have no Llama
-equivalent: such a run is refused unless --accept-mismatch. The directory appears whole or not at all; one that
+sharded checkpoint is read as it is. Sliding windows, the attention softcap, QK-norm and --pack-documents have no
+Llama equivalent: such a run is refused unless --accept-mismatch; a run with --mlp relu2 is refused always. The directory appears whole or not at all; one that
 holds files is replaced only with --overwrite. train.py --init-from DIR starts a run from such a directory.
 """
 
@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "newest; the tokenizer still comes from RUN")
     p.add_argument("--overwrite", action="store_true", help="replace DIR when it holds files")
     p.add_argument("--accept-mismatch", action="store_true",
-                   help="export a run with sliding windows, a softcap or packed documents all the same (noted in "
-                        "config.json under flash_lm.mismatch)")
+                   help="export a run with sliding windows, a softcap, QK-norm or packed documents all the same "
+                        "(noted in config.json under flash_lm.mismatch)")
     return p
 
 

@@ -22,7 +22,7 @@ COLUMNS: dict[str, str] = {
     "d_model": "model width",
     "n_layers": "blocks",
     "n_heads": "attention heads",
-    "d_ff": "SwiGLU hidden size",
+    "d_ff": "MLP hidden size",
     "vocab_size": "vocabulary",
     "context_length": "tokens per sequence T",
     "batch_size": "sequences per step B",

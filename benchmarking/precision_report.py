@@ -28,7 +28,7 @@ _WHY = {
     "blocks.0.attn.qkv": "a matmul: autocast's dtype",
     "blocks.0.attn": "the attention kernel runs in q's dtype, then the output matmul in autocast's",
     "blocks.0.ffn_norm": "RMSNorm: its input's dtype, the residual stream's",
-    "blocks.0.ffn": "SwiGLU's three matmuls: autocast's dtype",
+    "blocks.0.ffn": "the MLP's matmuls (SwiGLU's three, ReLU²'s two): autocast's dtype",
     "blocks.0": "the residual stream: autocast's dtype (the embeddings are cast once, then x + sublayer(x) adds two "
                 "tensors of that dtype); fp32 without autocast",
     "final_norm": "RMSNorm: the residual stream's dtype",

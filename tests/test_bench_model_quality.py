@@ -4,17 +4,25 @@ every second with the clock stopped; the report, the curves, the computed target
 import csv
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 import bench_model
 from benchmarking import quality
 from benchmarking.quality_report import COLUMNS, CURVE_COLUMNS
+from training.recipes import RECIPES
 
 TINY = ["--mode", "time-to-quality", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64",
         "--context-lengths", "32", "--batch-size", "4", "--eval-batches", "2", "--device", "cpu"]
 BUDGET_S = 3.0
+ROOT = Path(bench_model.__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +127,7 @@ def test_a_stop_keeps_what_was_measured(tmp_path, text_file, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "time-to-quality,train-step"], "--mode time-to-quality runs alone (got time-to-quality,train-step)"),
     (["--optimizer", "muon"], "--optimizer does not apply to --mode time-to-quality: each recipe names its optimizer"),
-    (["--recipes", "lion"], "--recipes: 'lion' is neither a recipe (adamw, muon) nor a JSON file"),
+    (["--recipes", "lion"], f"--recipes: 'lion' is neither a recipe ({', '.join(RECIPES)}) nor a JSON file"),
     (["--attn", "naive,sdpa"], "--attn: --mode time-to-quality compares recipes on one configuration; give one value"),
     (["--minutes", "0"], "--minutes must be > 0, got 0"),
     (["--eval-interval-s", "-1"], "--eval-interval-s must be > 0, got -1"),
@@ -151,7 +159,7 @@ def test_devices_belong_to_time_to_quality(tmp_path, capsys):
 
 
 @pytest.mark.slow  # two processes each start Python and train
-def test_recipes_side_by_side_measure_what_one_after_another_does(tmp_path, text_file, capsys):
+def test_recipes_side_by_side_report_each_in_the_plans_order(tmp_path, text_file, capsys):
     """Three recipes on two devices (processes): every outcome comes back in the plan's order with its curve, the
     target is the first recipe's final value, and the lines name the device that trained each."""
     recipe = tmp_path / "options.json"
@@ -167,3 +175,69 @@ def test_recipes_side_by_side_measure_what_one_after_another_does(tmp_path, text
     assert re.search(r"^\[cpu\] custom options: \d+/2 s, step \d+", out, re.M)
     assert "custom options: muon" not in out and "custom options: adamw lr 0.0006" in out
     assert "Recipes ran side by side, one at a time on each of cpu, cpu." in (tmp_path / "out" / "results.md").read_text()
+
+
+def first_process_dies(index, device, settings, tasks, results):
+    """A process that takes a recipe and ends at once (exit code 3), then the real processes."""
+    from benchmarking import quality_devices
+
+    if index == 0:
+        recipe, _ = tasks.get()
+        results.put(("taken", (recipe, index)))
+        time.sleep(0.5)  # the queue's thread sends it, as it would during a recipe's seconds of training
+        os._exit(3)
+    quality_devices.work(index, device, settings, tasks, results)
+
+
+@pytest.mark.slow  # two processes each start Python and train
+def test_a_process_that_dies_is_an_error_row_and_the_others_go_on(tmp_path, text_file, monkeypatch):
+    from benchmarking import quality_devices
+
+    monkeypatch.setattr(quality_devices, "work", first_process_dies)
+    (tmp_path / "slow.json").write_text('{"optim": {"lr": 0.0001}}')
+    rows = bench_model.main([*TINY, "--recipes", f"adamw,muon,{tmp_path / 'slow.json'}", "--data", str(text_file),
+                             "--minutes", str(1 / 60), "--eval-interval-s", "1", "--devices", "cpu,cpu",
+                             "--target-bpb", "3", "--out", str(tmp_path / "out")])
+    errors = [r for r in rows if r["status"] == "error"]
+    assert len(rows) == 3 and len(errors) == 1 and all(r["status"] == "ok" for r in rows if r not in errors)
+    assert errors[0]["message"] == "its process (cpu #0) ended with exit code 3 while training it"
+
+
+@pytest.mark.slow  # two processes each start Python and train
+def test_sigterm_to_the_whole_group_keeps_what_each_process_measured(tmp_path, text_file):
+    """What `timeout` does: every process of the group gets SIGTERM. Each reports its recipe as interrupted with the
+    evaluations it had; the benchmark exits 130 within seconds, the files written."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "bench_model.py", *TINY, "--recipes", "adamw,muon", "--data",
+                             str(text_file), "--minutes", "1", "--eval-interval-s", "1", "--devices", "cpu,cpu",
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    seen = set()
+    for line in proc.stdout:  # both processes have evaluated after some steps
+        if re.match(r"\[cpu\] custom (adamw|muon): \d+/60 s, step [1-9]", line):
+            seen.add(line.split()[2])
+        if len(seen) == 2:
+            break
+    os.killpg(proc.pid, signal.SIGTERM)
+    start = time.monotonic()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - start < 30
+    table = read_csv(out / "results.csv")
+    assert [(t["recipe"], t["status"]) for t in table] == [("adamw", "interrupted"), ("muon", "interrupted")]
+    assert all(int(t["evals"]) >= 2 for t in table)
+
+
+def test_recipes_without_an_outcome_become_error_rows_naming_the_processes():
+    from types import SimpleNamespace
+
+    from benchmarking.quality_devices import Progress
+
+    items = [(("s", spec), (None, frozenset())) for spec in ("adamw", "muon", "mine.json")]
+    progress = Progress(items, taken={0: 1, 1: 0}, got={0: "adamw's outcome"})
+    workers = [SimpleNamespace(name="cuda:0 #0", exitcode=-9), SimpleNamespace(name="cuda:1 #1", exitcode=0)]
+    lost = progress.lost(workers, interrupted=False)
+    assert {i: (o.recipe, o.status, o.message) for i, o in lost.items()} == {
+        1: ("muon", "error", "its process (cuda:0 #0) ended with exit code -9 while training it"),
+        2: ("mine", "error", "no outcome came back: the processes ended (cuda:0 #0: exit code -9, cuda:1 #1: exit "
+                             "code 0)")}
+    assert list(progress.lost(workers, interrupted=True)) == [1]  # a stop leaves the recipes not started unsaid

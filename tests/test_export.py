@@ -113,6 +113,7 @@ def test_a_gqa_byte_run_exports_without_a_tokenizer(tmp_path):
 @pytest.mark.parametrize("model, data, phrase", [
     ({"window": 8, "window_pattern": "LG"}, {}, "sliding-window attention (window 8, pattern LG)"),
     ({"attn_softcap": 30.0}, {}, "attention softcap 30"),
+    ({"qk_norm": True}, {}, "QK-norm"),
     ({}, {"pack_documents": True}, "training on packed documents (--pack-documents: RoPE positions restarted at "
                                    "each document)"),
 ])
@@ -127,6 +128,15 @@ def test_what_llama_cannot_express_is_refused_unless_accepted(tmp_path, capsys, 
     assert export.main([*argv, "--accept-mismatch"]) == 0
     assert f"warning: exported anyway: a Llama config cannot express {phrase}" in capsys.readouterr().err
     assert json.loads((tmp_path / "llama" / "config.json").read_text())["flash_lm"]["mismatch"] == [phrase]
+
+
+def test_a_relu2_run_is_refused_even_when_mismatches_are_accepted(tmp_path, capsys):
+    checkpoint_of(tmp_path / "run", ModelConfig(**{**CFG.to_dict(), "mlp": "relu2"}))
+    argv = [str(tmp_path / "run"), "--to", "hf", str(tmp_path / "llama"), "--accept-mismatch"]
+    assert export.main(argv) == 1
+    assert capsys.readouterr().err == ("error: a Llama checkpoint cannot hold this run's relu2 MLP (Llama's is "
+                                       "SwiGLU, with three matrices), not even with --accept-mismatch\n")
+    assert not (tmp_path / "llama").exists()
 
 
 def test_an_existing_directory_is_replaced_only_with_overwrite_and_never_half_written(tmp_path, capsys, monkeypatch):

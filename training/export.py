@@ -1,9 +1,10 @@
 """A run's checkpoint as a Hugging Face Llama directory (export.py): checked, then written whole or not at all.
 
-What a Llama config cannot express is refused unless accepted (`accept_mismatch`): sliding windows and the
-attention softcap change what the model computes, and a run trained on packed documents saw RoPE positions restart
-at each document, which Llama's positions do not. Accepted, the weights are exported all the same and the mismatch
-is recorded under config.json's "flash_lm" key.
+What a Llama config cannot express is refused unless accepted (`accept_mismatch`): sliding windows, the attention
+softcap and QK-norm change what the model computes, and a run trained on packed documents saw RoPE positions
+restart at each document, which Llama's positions do not. Accepted, the weights are exported all the same and the
+mismatch is recorded under config.json's "flash_lm" key. A ReLU² MLP is refused always: Llama's MLP has three
+matrices, so its weights have nowhere to go.
 
 The directory is written under a temporary name beside its target and renamed into place, so a failure leaves no
 half-written export: either the old directory (or none) or the new one.
@@ -108,6 +109,9 @@ def export_hf(run: Path, out: Path, ckpt: Optional[Path] = None, overwrite: bool
     check_target(out, source, overwrite)
     path, state = open_checkpoint(source, warn, read_sharded=True)
     config = run_config_of(state)
+    if config.model.mlp != "swiglu":
+        raise ExportError(f"a Llama checkpoint cannot hold this run's {config.model.mlp} MLP (Llama's is SwiGLU, with "
+                          "three matrices), not even with --accept-mismatch")
     found = mismatches(config)
     if found and not accept_mismatch:
         raise ExportError(f"a Llama config cannot express this run's {'; '.join(found)}: pass --accept-mismatch to "

@@ -2,7 +2,7 @@
 torchao's float8 training (torchao.float8: e4m3 inputs and weights, e5m2 gradients, scales computed per tensor or per
 row on the fly), under bf16 autocast, best compiled.
 
-What changes: each block's q/k/v, output and SwiGLU projections become torchao `Float8Linear`s with the same
+What changes: each block's q/k/v, output and MLP projections become torchao `Float8Linear`s with the same
 weights under the same state-dict keys, so checkpoints and sampling are unchanged. The
 embedding (an fp32 lookup) and the LM head (a bf16 matmul under autocast) are not converted: the logits' precision
 matters most and the head is one matmul of many.

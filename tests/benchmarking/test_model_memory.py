@@ -28,9 +28,10 @@ def test_param_count_matches_num_params_for_every_preset(size):
 
 @pytest.mark.parametrize("dims", [(64, 2, 4, 128, 256, None), (96, 3, 6, 80, 1000, None), (32, 1, 2, 64, 10, None),
                                   (64, 2, 4, 128, 256, 2), (96, 3, 6, 80, 1000, 1)])
-def test_param_count_matches_num_params_for_custom_dims(dims):
+@pytest.mark.parametrize("mlp", ["swiglu", "relu2"])
+def test_param_count_matches_num_params_for_custom_dims(dims, mlp):
     d, n_layers, h, f, v, kv = dims
-    cfg = ModelConfig(d_model=d, n_layers=n_layers, n_heads=h, d_ff=f, vocab_size=v, n_kv_heads=kv)
+    cfg = ModelConfig(d_model=d, n_layers=n_layers, n_heads=h, d_ff=f, vocab_size=v, n_kv_heads=kv, mlp=mlp)
     model = TransformerLM(cfg)
     assert param_count(cfg) == model.num_params()
     linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
@@ -141,3 +142,9 @@ def test_bad_arguments_are_named(kwargs, match):
     args = dict(batch=2, seq=16, dtype="fp32", mode="forward") | kwargs
     with pytest.raises(ValueError, match=match):
         explain_memory(ModelConfig(**TINY), **args)
+
+
+@pytest.mark.parametrize("change", [{"mlp": "relu2"}, {"qk_norm": True}])
+def test_the_memory_model_refuses_the_blocks_it_does_not_describe(change):
+    with pytest.raises(ValueError, match="the memory model describes SwiGLU blocks without QK-norm"):
+        explain_memory(ModelConfig(**TINY, **change), 2, 64, "bf16", "train-step")

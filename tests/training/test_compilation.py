@@ -30,13 +30,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-RECIPE_OPTIONS = ModelConfig(**{**CFG.to_dict(), "qk_norm": True, "mlp": "relu2", "zero_init_residual": True})
+# Without zero_init_residual: zero projections would make every block the identity and hide the rest from the gradients.
+RECIPE_OPTIONS = ModelConfig(**{**CFG.to_dict(), "qk_norm": True, "mlp": "relu2"})
 
 
 @pytest.mark.slow  # Inductor compiles the forward and the backward
 @pytest.mark.parametrize("recompute, cfg", [(None, CFG), ("full", CFG), ("selective", CFG), (None, RECIPE_OPTIONS)],
                          ids=["plain", "activation-checkpointing", "selective-activation-checkpointing",
-                              "qk-norm-relu2-zero-init"])
+                              "qk-norm-relu2"])
 def test_compiled_regions_give_the_eager_loss_and_gradients(recompute, cfg):
     torch.manual_seed(0)
     eager, compiled = TransformerLM(cfg), TransformerLM(cfg)

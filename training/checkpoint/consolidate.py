@@ -5,7 +5,7 @@
 The file is a single-process checkpoint (training/checkpoint/format.py), with the keys of train.py's
 `checkpoint-<step>.safetensors`:
   model         TransformerLM state dict: embed.weight, blocks.<i>.attn_norm.weight, blocks.<i>.attn.qkv.weight,
-                blocks.<i>.attn.out.weight, blocks.<i>.ffn_norm.weight, blocks.<i>.ffn.w1/w2/w3.weight,
+                blocks.<i>.attn.out.weight, blocks.<i>.ffn_norm.weight, blocks.<i>.ffn.w1/w2[/w3].weight (w3: SwiGLU),
                 final_norm.weight, lm_head.weight (fp32)
   optimizer     the optimizer state keyed by parameter name (left out with --model-only)
   scaler, step, rng, config   as saved by the run

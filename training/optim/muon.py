@@ -44,7 +44,7 @@ ADJUST_LR = "match_rms_adamw"
 
 
 def hidden_matrices(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """`params` split into the blocks' 2-D weights (q/k/v, out, w1, w2, w3) and the rest, each in model order."""
+    """`params` split into the blocks' 2-D weights (qkv, out, the MLP's) and the rest, each in model order."""
     in_blocks = {id(p) for name, p in model.named_parameters() if name.startswith("blocks.") and p.dim() == 2}
     return [p for p in params if id(p) in in_blocks], [p for p in params if id(p) not in in_blocks]
 

@@ -16,4 +16,3 @@ def test_warmup_is_linear_then_cosine_to_min():
     assert lr_at(110, **kw) == pytest.approx(0.1) and lr_at(500, **kw) == pytest.approx(0.1)
     lrs = [lr_at(s, **kw) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
-
