@@ -25,7 +25,7 @@ class ModelConfig:
     window: Optional[int] = None
     window_pattern: str = "L"
     attn_softcap: Optional[float] = None
-    # Recipe options (training/recipes.py, docs/training.md: each measured on its own). qk_norm: each head's queries
+    # Recipe options (training/recipes.py; docs/training.md has what each bought). qk_norm: each head's queries
     # and keys RMS-normalised (no gain) before attention. mlp: "swiglu" w2(silu(w1 x) * w3 x), or "relu2"
     # w2(relu(w1 x)^2), two matrices. zero_init_residual: the attention output and MLP down projections start at
     # zero, so that each block starts as the identity.
