@@ -264,6 +264,15 @@ def variant_problem(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch
 _MAX_ACCEPTED = 1024  # accepted call signatures kept per get_attention() function; past it the set starts again
 
 
+def _accept(accepted: set[tuple], key: Optional[tuple]) -> None:
+    """Remember a signature whose checks passed (None: a call that is checked every time), within _MAX_ACCEPTED."""
+    if key is None:
+        return
+    if len(accepted) >= _MAX_ACCEPTED:
+        accepted.clear()
+    accepted.add(key)
+
+
 def _call_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: Optional[int],
                     softcap: Optional[float]) -> Optional[tuple]:
     """Everything the checks of a call without documents read (shapes, dtypes, devices, whether gradients are
@@ -312,10 +321,7 @@ def get_attention(name: str) -> AttentionFn:
                       or variant_problem(backend, q, k, v, causal, variant))
             if reason is not None:
                 raise UnsupportedInputError(f"attention backend {name!r} cannot run this input: {reason}")
-            if key is not None:
-                if len(accepted) >= _MAX_ACCEPTED:
-                    accepted.clear()
-                accepted.add(key)
+            _accept(accepted, key)
         return backend.fn(q, k, v, causal, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
                           **variant.kwargs())
 
@@ -329,10 +335,7 @@ def get_attention(name: str) -> AttentionFn:
             reason = why_not_decode(name, q, k_cache, v_cache, cache_len, window=window, softcap=softcap)
             if reason is not None:
                 raise UnsupportedInputError(f"attention backend {name!r} cannot decode this input: {reason}")
-            if key is not None:
-                if len(accepted_decode) >= _MAX_ACCEPTED:
-                    accepted_decode.clear()
-                accepted_decode.add(key)
+            _accept(accepted_decode, key)
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         variant = {} if window is None and softcap is None else Variant(window, softcap).kwargs()
         return _BACKENDS[name].decode(q, k_cache, v_cache, cache_len, scale, **variant)
