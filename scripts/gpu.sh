@@ -49,8 +49,8 @@
 #                tokens each takes to reach adamw's final bits per byte, and the curves (curves.png)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, 30 steps, 8 sequences per GPU, on 1 GPU then 2: tokens/s ratio (goal 1.85x)
-#                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 512, batch 4,
-#                        activation checkpointing, 40 steps on byte-level text
+#                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 1024, batch 16,
+#                        selective recomputation, bf16 AdamW moments, 40 steps on byte-level text
 #
 # Each step writes its files under $OUT/<step>/ (results.md/.json/.csv of the benchmarks, a .log per command, a
 # directory per train.py run, emptied before the run); `== HH:MM:SS` lines timestamp the steps, and each step's
@@ -362,7 +362,7 @@ step_distributed() {
         fsdp_model=("${ddp_model[@]}")
     else
         ddp_model=(--size large --context-length 1024 --dtype bf16 --attn sdpa --no-compile)
-        fsdp_model=(--size 10B --context-length 512 --dtype bf16 --attn sdpa --no-compile)
+        fsdp_model=(--size 10B --context-length 1024 --dtype bf16 --attn sdpa)
         if [ "$DRY_RUN" = 0 ]; then
             n_gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())") || n_gpus=0
             if [ "$n_gpus" -lt 2 ]; then echo "distributed needs 2 GPUs, found $n_gpus"; STATUS=1; return; fi
@@ -382,9 +382,9 @@ step_distributed() {
                 torchrun_train "$dir" ddp-2gpu 2 120 "${ddp[@]}" --batch-size 16 ;;
             fsdp)  # this initialisation spikes the loss in the first steps at every size, in one process too; a
                    # peak LR of 3e-4 after 2 warm-up steps diverged on 2 H200s, 1.5e-4 after 10 falls
-                torchrun_train "$dir" fsdp-10B-2gpu 2 200 "${fsdp_model[@]}" --batch-size 4 --steps 40 \
+                torchrun_train "$dir" fsdp-10B-2gpu 2 240 "${fsdp_model[@]}" --batch-size 16 --steps 40 \
                     --warmup-steps 10 --lr 1.5e-4 --min-lr 1.5e-5 --log-every 2 --activation-checkpointing \
-                    "${common[@]}" --parallel fsdp ;;
+                    --recompute selective --optimizer adamw-bf16 "${common[@]}" --parallel fsdp ;;
             *) echo "unknown part distributed:$part (ddp, fsdp)"; STATUS=1 ;;
         esac
     done

@@ -249,7 +249,7 @@ def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_
         (["--dtype", "fp16"], 2, "fp16 needs a CUDA device"),
         (["--cuda-graph"], 2, "--cuda-graph: CUDA graphs need a GPU"),
         (["--grad-accum-steps", "0"], 2, "--grad-accum-steps must be >= 1, got 0"),
-        (["--optimizer", "adamw-bf16", "--parallel", "fsdp"], 2, "--parallel fsdp shards them"),
+        (["--optimizer", "muon", "--parallel", "fsdp"], 2, "--parallel fsdp shards them"),
         (["--optimizer", "fp8"], 2, "unknown --optimizer 'fp8'; valid: adamw, adamw-bf16"),
         (["--grad-accum-steps", "3"], 2, r"--grad-accum-steps 3 must divide the sequences per rank and step \(4\)"),
     ],

@@ -55,10 +55,10 @@ def assert_same_training(got: list[dict], want: list[dict], loss_rtol: float = 1
     assert max(r["grad_norm"] for r in want) > 1.0, "clipping (--grad-clip 1) should act in these runs"
 
 
-def assert_same_weights(got: dict, want: dict) -> None:
+def assert_same_weights(got: dict, want: dict, atol: float = 1e-5) -> None:
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 def assert_ranks_exited(results, *codes) -> None:
@@ -237,14 +237,38 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(tmp_path, text_file, fsdp_run,
                         checkpoint.load(one_process / f"checkpoint-{STEPS}.safetensors")["model"])
 
 
+@pytest.mark.slow  # two processes over gloo, and one
+def test_fsdp_with_bf16_moments_trains_like_one_process_and_resumes(tmp_path, text_file):
+    """--optimizer adamw-bf16 on FSDP's shards: each rank updates its half of every parameter and keeps its moments in
+    bf16, sharded; stopped at step 5 and resumed from the sharded checkpoint, it trains as one process does."""
+    bf16_moments = ["--optimizer", "adamw-bf16"]
+    one, out = tmp_path / "one", tmp_path / "fsdp"
+    assert train.main(argv(text_file, one, *bf16_moments)) == 0
+    fsdp_argv = argv(text_file, out, *bf16_moments, "--parallel", "fsdp")
+    assert_ranks_exited(run_ranks(fsdp_argv, tmp_path / "logs1", interrupt=(1, 5)), 130, 130)
+    dcp_dir = out / sharded_checkpoint.DCP_DIR_NAME
+    consolidate.consolidate(dcp_dir, tmp_path / "step5.safetensors")
+    moments = checkpoint.load(tmp_path / "step5.safetensors")["optimizer"]["state"]
+    assert {t.dtype for entry in moments.values() for k, t in entry.items() if k.startswith("exp_avg")} == {
+        torch.bfloat16}
+    assert_ranks_exited(run_ranks([*fsdp_argv, "--resume"], tmp_path / "logs2"), 0, 0)
+    assert_same_training(rows(out), rows(one))
+    # A moment whose fp32 value differs in its last bits between the sharded and whole sums can round to the other
+    # bf16 neighbour: a few weights then move 2e-5 apart.
+    final = consolidate.consolidate(dcp_dir, tmp_path / "final.safetensors", model_only=True)
+    assert_same_weights(final["model"], checkpoint.load(one / f"checkpoint-{STEPS}.safetensors")["model"], atol=1e-4)
+
+
 @pytest.mark.slow
-def test_fsdp_trains_in_float8_like_one_process_and_resumes(tmp_path, text_file):
-    """--fp8 tensorwise over 2 FSDP ranks (weights all-gathered in float8; emulated on the CPU), stopped at step 5 and
-    resumed from its sharded checkpoint, against one process: the same losses up to float8's activation scales, which
-    each rank takes from its half of the batch (1.7e-3 apart at most here; a resume that lost the weights would be
-    off by 20%). The run says how long the checkpoint took to write and to load."""
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-bf16"])
+def test_fsdp_trains_in_float8_like_one_process_and_resumes(tmp_path, text_file, optimizer):
+    """--fp8 tensorwise over 2 FSDP ranks (weights all-gathered in float8, so each shard is wrapped in torchao's
+    subclass; emulated on the CPU), stopped at step 5 and resumed from its sharded checkpoint, against one process:
+    the same losses up to float8's activation scales, which each rank takes from its half of the batch (1.7e-3 apart
+    at most here; a resume that lost the weights would be off by 20%). The run says how long the checkpoint took to
+    write and to load."""
     pytest.importorskip("torchao.float8")
-    fp8 = ["--dtype", "bf16", "--fp8", "tensorwise"]
+    fp8 = ["--dtype", "bf16", "--fp8", "tensorwise", "--optimizer", optimizer]
     one, out = tmp_path / "one", tmp_path / "fsdp"
     assert train.main(argv(text_file, one, *fp8)) == 0
     fsdp_argv = argv(text_file, out, *fp8, "--parallel", "fsdp")

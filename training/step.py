@@ -214,7 +214,8 @@ def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = No
     if ex.fp8 != "off":  # first: checkpointing, compile, FSDP and the optimizer see the new layers
         fp8.convert(model, ex.fp8, ctx.device, float8_all_gather)
     spec = get_optimizer(config.optim.optimizer)
-    copies = keep_weight_copies(model, ex.dtype) if spec.keeps_weight_copies else None  # before compiling
+    # Before compiling; not under FSDP, which casts each weight as it all-gathers it.
+    copies = keep_weight_copies(model, ex.dtype) if spec.keeps_weight_copies and ex.parallel != "fsdp" else None
     if ex.activation_checkpointing:
         checkpoint_blocks(model, ex.recompute)
     regional = isinstance(model, TransformerLM)

@@ -147,8 +147,8 @@ def test_each_rule_names_its_flags(sections, message):
 
 
 @pytest.mark.parametrize("sections, world_size, message", [
-    (dict(execution={"parallel": "fsdp"}, optim={"optimizer": "adamw-bf16"}), 2,
-     "--optimizer adamw-bf16 updates whole parameters; --parallel fsdp shards them: use --parallel ddp or "
+    (dict(execution={"parallel": "fsdp"}, optim={"optimizer": "muon"}), 2,
+     "--optimizer muon updates whole parameters; --parallel fsdp shards them: use --parallel ddp or "
      "--optimizer adamw"),
     (dict(execution={"parallel": "fsdp", "dtype": "fp16"}), 2,
      "--parallel fsdp supports --dtype bf16 or fp32 (fp16 would need a sharded gradient scaler)"),

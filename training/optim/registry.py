@@ -8,7 +8,8 @@ list (training/checkpoint/resume.py, muon.py). What an entry declares:
 - steps_in_backward: it can step each parameter on its own, as soon as its gradient exists (training/optim/overlapped.py
   then steps it during the backward when nothing needs all gradients first);
 - shards: it runs on FSDP's sharded parameters (elementwise updates do; one that needs whole matrices does not);
-- keeps_weight_copies: under bf16/fp16 autocast it rewrites the low-precision weight copies the forward reads;
+- keeps_weight_copies: under bf16/fp16 autocast it rewrites the low-precision weight copies the forward reads (not
+  under FSDP, whose all-gather casts the weights);
 - capturable: its step can be captured in a CUDA graph (it reads its learning rate and step count from device
   tensors, and nothing in it waits for the host); training/config.py leaves the graph off for one that cannot;
 - state_layout: what its per-parameter state holds (default: its own name); a checkpoint's optimizer state resumes

@@ -190,10 +190,10 @@ def tiny_step(dtype: str, optimizer: str, grad_clip: float = 1.0, device: str = 
     return build_step(model, config)
 
 
-def test_it_is_registered_as_an_optimizer_of_whole_parameters_that_rewrites_the_weight_copies():
+def test_it_is_registered_as_an_optimizer_of_shards_that_rewrites_the_weight_copies():
     spec = get_optimizer("adamw-bf16")
     assert spec.build is adamw_bf16.build
-    assert spec.steps_in_backward and spec.keeps_weight_copies and not spec.shards
+    assert spec.steps_in_backward and spec.keeps_weight_copies and spec.shards
 
 
 def test_the_bf16_state_step_keeps_a_copy_of_every_linear_weight_and_clips_inside_its_update():
