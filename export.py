@@ -6,9 +6,10 @@ It holds config.json, model.safetensors, generation_config.json and, for a run o
     AutoModelForCausalLM.from_pretrained("out/llama"); AutoTokenizer.from_pretrained("out/llama")
 
 load it and compute our logits. It takes the run's newest checkpoint that loads, or --ckpt FILE; an FSDP run's
-sharded checkpoint is read as it is. Sliding windows, the attention softcap, QK-norm and --pack-documents have no
-Llama equivalent: such a run is refused unless --accept-mismatch; a run with --mlp relu2 is refused always. The directory appears whole or not at all; one that
-holds files is replaced only with --overwrite. train.py --init-from DIR starts a run from such a directory.
+sharded checkpoint is read as it is. Sliding windows, the attention and logit softcaps, QK-norm and --pack-documents
+have no Llama equivalent: such a run is refused unless --accept-mismatch; one with --mlp relu2 always. The
+directory appears whole or not at all; one that holds files is replaced only with --overwrite. train.py --init-from
+DIR starts a run from such a directory.
 """
 
 from __future__ import annotations

@@ -178,8 +178,8 @@ def explain_memory(cfg: ModelConfig, batch: int, seq: int, dtype: str, mode: str
     with `optimizer` (adamw: fp32 moments; adamw-bf16: bf16 moments; muon: a momentum per block matrix, AdamW's
     moments for the rest)."""
     _check(dtype, mode, batch, seq)
-    if cfg.mlp != "swiglu" or cfg.qk_norm:  # the activations below are those of SwiGLU blocks without QK-norm
-        raise ValueError("the memory model describes SwiGLU blocks without QK-norm")
+    if cfg.mlp != "swiglu" or cfg.qk_norm or cfg.logit_softcap:
+        raise ValueError("the memory model describes SwiGLU blocks without QK-norm and an LM head without a softcap")
     P = param_count(cfg)
     B, T, V, h = batch, seq, cfg.vocab_size, cfg.n_heads
     a = BF16 if dtype == "bf16" else FP32

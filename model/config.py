@@ -28,10 +28,11 @@ class ModelConfig:
     # Recipe options (training/recipes.py; docs/training.md has what each bought). qk_norm: each head's queries
     # and keys RMS-normalised (no gain) before attention. mlp: "swiglu" w2(silu(w1 x) * w3 x), or "relu2"
     # w2(relu(w1 x)^2), two matrices. zero_init_residual: the attention output and MLP down projections start at
-    # zero, so that each block starts as the identity.
+    # zero, so that each block starts as the identity. logit_softcap: the LM head's logits capped at c * tanh(z / c).
     qk_norm: bool = False
     mlp: str = "swiglu"
     zero_init_residual: bool = False
+    logit_softcap: Optional[float] = None
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -60,6 +61,8 @@ class ModelConfig:
             return f"attn_softcap must be > 0, got {self.attn_softcap}"
         if self.mlp not in MLPS:
             return f"mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}"
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            return f"logit_softcap must be > 0, got {self.logit_softcap}"
         return None
 
     @property

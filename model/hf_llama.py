@@ -95,6 +95,8 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         found.append(f"attention softcap {cfg.attn_softcap:g}")
     if cfg.qk_norm:
         found.append("QK-norm")
+    if cfg.logit_softcap is not None:
+        found.append(f"logit softcap {cfg.logit_softcap:g}")
     if cfg.mlp != "swiglu":
         found.append(f"the {cfg.mlp} MLP (Llama's is SwiGLU)")
     return found

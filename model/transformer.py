@@ -123,12 +123,12 @@ class TransformerLM(nn.Module):
             angles = self.document_rope_angles(doc_ids)
             for block in self.blocks:
                 x = block(x, None, doc_ids, angles)
-            return self.loss_from_hidden(x, targets) if targets is not None else self.lm_head(self.final_norm(x))
+            return self.loss_from_hidden(x, targets) if targets is not None else self.logits(x)
         for i, block in enumerate(self.blocks):
             x = block(x) if cache is None else block(x, cache.layer(i))
         if targets is not None:
             return self.loss_from_hidden(x, targets)
-        return self.lm_head(self.final_norm(x))
+        return self.logits(x)
 
     def document_rope_angles(self, doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), (batch, seq, d_head / 2): RoPE at each position's offset within its document."""
@@ -138,9 +138,18 @@ class TransformerLM(nn.Module):
         positions = torch.arange(doc_ids.shape[-1], device=doc_ids.device) - start  # < seq <= context_length
         return rope.cos[positions], rope.sin[positions]
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, vocab) logits of the last hidden states x: (batch, seq, d_model); soft-capped in fp32 (or
+        wider) under cfg.logit_softcap."""
+        logits = self.lm_head(self.final_norm(x))
+        cap = self.cfg.logit_softcap
+        if cap is None:
+            return logits
+        return cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
+
     def loss_from_hidden(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32 scalar) of the last hidden states x: (batch, seq, d_model)."""
-        logits = self.lm_head(self.final_norm(x)).float()  # fp32 softmax also under bf16 autocast
+        logits = self.logits(x).float()  # fp32 softmax also under bf16 autocast
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def num_params(self, non_embedding: bool = False) -> int:

@@ -114,6 +114,7 @@ def test_a_gqa_byte_run_exports_without_a_tokenizer(tmp_path):
     ({"window": 8, "window_pattern": "LG"}, {}, "sliding-window attention (window 8, pattern LG)"),
     ({"attn_softcap": 30.0}, {}, "attention softcap 30"),
     ({"qk_norm": True}, {}, "QK-norm"),
+    ({"logit_softcap": 15.0}, {}, "logit softcap 15"),
     ({}, {"pack_documents": True}, "training on packed documents (--pack-documents: RoPE positions restarted at "
                                    "each document)"),
 ])

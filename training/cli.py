@@ -42,6 +42,7 @@ MODEL_HELP = {
     "qk_norm": "RMS-normalise each head's queries and keys before attention",
     "mlp": "the MLP: swiglu, or relu2 (w2(relu(w1 x)^2), two matrices)",
     "zero_init_residual": "start the attention output and MLP down projections at zero",
+    "logit_softcap": "cap the LM head's logits at c * tanh(z / c)",
 }
 MODEL_MAIN = ("d_model", "n_layers", "n_heads", "context_length", "n_kv_heads", "window")
 DERIVED = {("model", "vocab_size")}  # set from the data (--vocab-size, the data's vocabulary), not by a flag of its own

@@ -1,8 +1,8 @@
 """A run's checkpoint as a Hugging Face Llama directory (export.py): checked, then written whole or not at all.
 
 What a Llama config cannot express is refused unless accepted (`accept_mismatch`): sliding windows, the attention
-softcap and QK-norm change what the model computes, and a run trained on packed documents saw RoPE positions
-restart at each document, which Llama's positions do not. Accepted, the weights are exported all the same and the
+and logit softcaps and QK-norm change what the model computes, and a run trained on packed documents saw RoPE
+positions restart at each document, which Llama's positions do not. Accepted, the weights are exported all the same and the
 mismatch is recorded under config.json's "flash_lm" key. A ReLU² MLP is refused always: Llama's MLP has three
 matrices, so its weights have nowhere to go.
 

@@ -132,7 +132,8 @@ class Trainer:
             [f"window {m.window} ({m.window_pattern})"] if m.window else []) + (
             [f"softcap {m.attn_softcap:g}"] if m.attn_softcap else []) + (["QK-norm"] if m.qk_norm else []) + (
             [f"{m.mlp} MLP"] if m.mlp != "swiglu" else []) + (["zero-initialised residual projections"]
-                                                               if m.zero_init_residual else [])
+                                                               if m.zero_init_residual else []) + (
+            [f"logit softcap {m.logit_softcap:g}"] if m.logit_softcap else [])
         ranks = f", {c.execution.parallel} over {self.ctx.world_size} ranks" if self.ctx.is_distributed else ""
         return (f"model: {params / 1e6:.1f}M parameters, d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads"
                 f"{''.join(', ' + v for v in variants)}, context {m.context_length}, vocabulary {m.vocab_size}; "

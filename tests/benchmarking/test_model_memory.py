@@ -144,7 +144,8 @@ def test_bad_arguments_are_named(kwargs, match):
         explain_memory(ModelConfig(**TINY), **args)
 
 
-@pytest.mark.parametrize("change", [{"mlp": "relu2"}, {"qk_norm": True}])
+@pytest.mark.parametrize("change", [{"mlp": "relu2"}, {"qk_norm": True}, {"logit_softcap": 15.0}])
 def test_the_memory_model_refuses_the_blocks_it_does_not_describe(change):
-    with pytest.raises(ValueError, match="the memory model describes SwiGLU blocks without QK-norm"):
+    with pytest.raises(ValueError, match="the memory model describes SwiGLU blocks without QK-norm and an LM head "
+                                         "without a softcap"):
         explain_memory(ModelConfig(**TINY, **change), 2, 64, "bf16", "train-step")

@@ -186,8 +186,9 @@ def test_a_compiled_step_costs_the_same_whatever_the_cache_can_hold():
 @pytest.mark.parametrize("attn", ["naive", "sdpa", "flash-torch", "flash"])
 def test_decoding_a_model_with_gqa_windows_and_softcap_equals_its_full_forward(attn):
     """Sampling runs the variants of training: a cache of the key/value heads, the local layers' window, softcap,
-    QK-norm and the ReLU² MLP."""
-    variants = {"n_kv_heads": 2, "window": 4, "window_pattern": "LG", "qk_norm": True, "mlp": "relu2"}
+    QK-norm, the ReLU² MLP and the logit softcap."""
+    variants = {"n_kv_heads": 2, "window": 4, "window_pattern": "LG", "qk_norm": True, "mlp": "relu2",
+                "logit_softcap": 15.0}
     if attn != "sdpa":  # SDPA takes no softcap
         variants["attn_softcap"] = 20.0
     decode_available(attn)

@@ -110,6 +110,8 @@ def test_windows_and_softcap_are_what_llama_cannot_express():
     assert mismatches(ModelConfig(window=8, window_pattern="G")) == []  # no local layer: every layer is global
 
 
-def test_qk_norm_and_relu2_are_what_llama_cannot_express():
-    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, qk_norm=True, mlp="relu2", zero_init_residual=True)
-    assert mismatches(cfg) == ["QK-norm", "the relu2 MLP (Llama's is SwiGLU)"]  # zero init is only a start
+def test_the_recipe_options_llama_cannot_express():
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, qk_norm=True, mlp="relu2", zero_init_residual=True,
+                      logit_softcap=15.0)
+    # zero init is only a start
+    assert mismatches(cfg) == ["QK-norm", "logit softcap 15", "the relu2 MLP (Llama's is SwiGLU)"]

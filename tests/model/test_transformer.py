@@ -217,6 +217,28 @@ def test_zero_init_residual_starts_every_block_as_the_identity():
     assert model.blocks[0].attn.qkv.weight.std() > 0  # the rest keeps its init
 
 
+def test_logit_softcap_bounds_the_logits():
+    torch.manual_seed(0)
+    plain, capped = (TransformerLM(ModelConfig(**TINY, logit_softcap=cap)).double() for cap in (None, 2.0))
+    capped.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        plain.lm_head.weight.mul_(50)
+        capped.lm_head.weight.mul_(50)
+    ids = torch.randint(0, 97, (2, 24))
+    z, logits = plain(ids), capped(ids)
+    assert z.abs().max() > 10 and logits.abs().max() <= 2
+    torch.testing.assert_close(logits, 2.0 * torch.tanh(z / 2.0))
+    loss = capped(ids, ids)  # in fp32, as training computes it
+    torch.testing.assert_close(loss.double(), F.cross_entropy(logits.flatten(0, 1), ids.flatten()), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("cap", [0.0, -15.0])
+def test_a_logit_softcap_out_of_range_says_so(cap):
+    with pytest.raises(ValueError) as e:
+        ModelConfig(**TINY, logit_softcap=cap)
+    assert str(e.value) == f"logit_softcap must be > 0, got {cap}"
+
+
 def test_an_unknown_mlp_names_the_choices():
     with pytest.raises(ValueError, match="mlp must be one of swiglu, relu2, got 'gelu'"):
         ModelConfig(mlp="gelu")
@@ -224,10 +246,11 @@ def test_an_unknown_mlp_names_the_choices():
 
 @pytest.mark.parametrize("attn", ["naive", "flash", pytest.param("flex", marks=pytest.mark.slow)])
 def test_the_recipe_options_run_on_every_backend_as_on_sdpa(attn):
-    """QK-norm and the ReLU² MLP live outside attention: every backend computes the same model."""
+    """QK-norm, the ReLU² MLP and the logit softcap live outside attention: every backend computes the same model."""
     from tests.conftest import DEVICE
 
-    shape = {**TINY, "context_length": 32, "qk_norm": True, "mlp": "relu2", "zero_init_residual": True}
+    shape = {**TINY, "context_length": 32, "qk_norm": True, "mlp": "relu2", "zero_init_residual": True,
+             "logit_softcap": 15.0}
     torch.manual_seed(0)
     ref = TransformerLM(ModelConfig(**shape), "sdpa").to(DEVICE)
     for block in ref.blocks:  # zero-initialised projections would hide attention entirely

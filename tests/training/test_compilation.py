@@ -31,13 +31,13 @@ def fresh_dynamo():
 
 
 # Without zero_init_residual: zero projections would make every block the identity and hide the rest from the gradients.
-RECIPE_OPTIONS = ModelConfig(**{**CFG.to_dict(), "qk_norm": True, "mlp": "relu2"})
+RECIPE_OPTIONS = ModelConfig(**{**CFG.to_dict(), "qk_norm": True, "mlp": "relu2", "logit_softcap": 15.0})
 
 
 @pytest.mark.slow  # Inductor compiles the forward and the backward
 @pytest.mark.parametrize("recompute, cfg", [(None, CFG), ("full", CFG), ("selective", CFG), (None, RECIPE_OPTIONS)],
                          ids=["plain", "activation-checkpointing", "selective-activation-checkpointing",
-                              "qk-norm-relu2"])
+                              "recipe-options"])
 def test_compiled_regions_give_the_eager_loss_and_gradients(recompute, cfg):
     torch.manual_seed(0)
     eager, compiled = TransformerLM(cfg), TransformerLM(cfg)

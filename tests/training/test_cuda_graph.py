@@ -197,20 +197,22 @@ def test_the_built_step_replays_like_the_eager_step_with_its_learning_rate_set_e
 
 @requires_cuda
 def test_the_speedrun_recipe_compiled_and_graphed_with_flash_trains_like_its_eager_step():
-    """The recipe's model options (QK-norm, ReLU², zero-initialised projections, windows) and Muon under compile and
-    a CUDA graph, with flash: the losses of the eager step, in bf16."""
+    """The recipe's model options and Muon under compile and a CUDA graph, with flash: the losses of the eager step,
+    in bf16."""
     from training.recipes import recipe_sections
 
     sections = recipe_sections("speedrun")
     model_cfg = ModelConfig(**{**CFG.to_dict(), **sections["model"], "window": 8})
     losses = []
     for fast in (False, True):
-        _, step = built_step(model_cfg, fast, execution={"dtype": "bf16", "attn": "flash", "compile": fast},
-                             optim=sections["optim"])
+        model, step = built_step(model_cfg, fast, execution={"dtype": "bf16", "attn": "flash", "compile": fast},
+                                 optim=sections["optim"])
+        initial = {name: p.detach().clone() for name, p in model.named_parameters()}
         row = []
         for x, y in _batches(6, "cuda"):
             step.set_lr(1e-3)
             row.append(step(x, y)[0].item())
         losses.append(row)
+        # Every parameter is updated (random tokens leave the loss little to fall by: ln 256 is the floor).
+        assert [n for n, p in model.named_parameters() if torch.equal(p, initial[n])] == []
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=2e-2, atol=2e-2)
-    assert losses[0][-1] < losses[0][0]  # it learns
