@@ -133,6 +133,8 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if isinstance(clip_coef, DTensor):  # under FSDP, from the norm of all shards: one value, gathered once
+            clip_coef = clip_coef.full_tensor()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -142,9 +144,7 @@ class AdamW(torch.optim.Optimizer):
             # The kernel reads the learning rate on the device: a float one is filled there (a kernel launch, no
             # host-to-device copy to wait for).
             lr = lr.to(device) if isinstance(lr, torch.Tensor) else torch.full((), lr, device=device)
-            # Under FSDP the clipping coefficient comes from the DTensor norm of all shards: one value for every rank.
-            scale = None if clip_coef is None else (
-                clip_coef.full_tensor() if isinstance(clip_coef, DTensor) else clip_coef).to(device)
+            scale = None if clip_coef is None else clip_coef.to(device)
             update = _launch if device.type == "cuda" else _update
             beta1, beta2 = group["betas"]
             if any(p.grad.is_sparse for p in params):
