@@ -80,6 +80,8 @@ class OptimConfig:
     min_lr: float = option(6e-5, "learning rate at the end of the cosine decay")
     warmup_steps: Optional[int] = option(None, "linear warm-up steps; default 100, at most a tenth of the run", True)
     weight_decay: float = option(0.1, "decoupled weight decay of the matrices")
+    embed_lr_scale: float = option(1.0, "the embedding's learning rate as a multiple of --lr (its weight decay divided "
+                                        "by as much: the same shrinkage a step)")
     grad_clip: float = option(1.0, "clip the global gradient norm (0: none, and the optimizer then steps each "
                                    "parameter during the backward)", True)
 
@@ -244,6 +246,8 @@ def _check_values(config: Config) -> None:
     for flag, (value, least) in at_least.items():
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be >= {least}, got {value:g}")
+    if op.embed_lr_scale <= 0:
+        raise ConfigError(f"--embed-lr-scale must be > 0, got {op.embed_lr_scale:g}")
     if ex.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {ex.dist_timeout:g}")
     if op.min_lr > op.lr:

@@ -35,8 +35,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            {"optim": {"optimizer": "muon", "lr": MUON_LR}}),
     Recipe("speedrun", "muon plus the architecture changes that paid in the time-to-quality benchmark (docs/training.md): "
                        "QK-norm, the ReLU² MLP, zero-initialised residual projections, windows of 256 in three "
-                       "layers of four, logits soft-capped at 15",
-           {"optim": {"optimizer": "muon", "lr": MUON_LR},
+                       "layers of four, logits soft-capped at 15, the embedding's learning rate 10x",
+           {"optim": {"optimizer": "muon", "lr": MUON_LR, "embed_lr_scale": 10.0},
             "model": {"qk_norm": True, "mlp": "relu2", "zero_init_residual": True, "window": 256,
                       "window_pattern": "LLLG", "logit_softcap": 15.0}}),
 )}

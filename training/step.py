@@ -77,15 +77,16 @@ def make_optimizer(model: nn.Module, config: Config, device: torch.device,
 
 
 def set_lr(optimizer: torch.optim.Optimizer | OverlappedOptimizer, lr: float) -> None:
-    """Every group's learning rate; a tensor learning rate (CUDA graphs), which the groups share, is written in place
-    once: a fill per group (one per parameter when the optimizer steps in the backward) would be a kernel each."""
+    """Every group's learning rate (`lr` times the group's "lr_scale", if any); a tensor learning rate (CUDA graphs),
+    which the groups of one scale share, is written in place once: a fill per group (one per parameter when the
+    optimizer steps in the backward) would be a kernel each."""
     filled: set[int] = set()
     for group in optimizer.param_groups:
-        value = group["lr"]
+        value, target = group["lr"], lr * group.get("lr_scale", 1.0)
         if not isinstance(value, torch.Tensor):
-            group["lr"] = lr
+            group["lr"] = target
         elif id(value) not in filled:
-            value.fill_(lr)
+            value.fill_(target)
             filled.add(id(value))
 
 
@@ -188,15 +189,6 @@ class TrainingStep:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
-
-    def match_lr_kind(self) -> None:
-        """After loading an optimizer state: a learning rate of the other kind (a tensor under a CUDA graph, a float
-        otherwise) gets this step's kind back."""
-        groups = self.optimizer.param_groups
-        lr = float(groups[0]["lr"]) if groups else 0.0
-        shared = torch.tensor(lr, device=self.device) if self.config.execution.cuda_graph else lr
-        for group in groups:
-            group["lr"] = shared
 
 
 def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = None, grad_norm: bool = True,

@@ -108,7 +108,6 @@ class Trainer:
         resumed = load_checkpoint(self.out, self.model, self.step_fn.optimizer, self.step_fn.scaler, self.config,
                                   self.ctx, self.warn)
         seconds = time.perf_counter() - start
-        self.step_fn.match_lr_kind()  # the checkpoint's run may have had the other kind of learning rate
         self.state.step, self.state.checkpoint = resumed.step, resumed.path
         self.state.checkpoint_step = resumed.step
         self.say(f"resuming from {resumed.path} (step {resumed.step}), loaded in {seconds:.1f} s")

@@ -174,14 +174,15 @@ def built_step(model_cfg: ModelConfig, graph: bool, execution: dict, optim: dict
 
 
 @requires_cuda
+@pytest.mark.parametrize("embed_lr_scale", [1.0, 10.0])
 @pytest.mark.parametrize("grad_clip", [0.0, 0.5], ids=["stepped-in-backward", "clipped"])
-def test_the_built_step_replays_like_the_eager_step_with_its_learning_rate_set_each_step(grad_clip):
-    """build_step with --cuda-graph: the optimizer's learning rate is a device tensor that set_lr fills in place, so
-    the replays follow the schedule; losses, norms and weights as the eager step's."""
+def test_the_built_step_replays_like_the_eager_step_with_its_learning_rate_set_each_step(grad_clip, embed_lr_scale):
+    """build_step with --cuda-graph: the optimizer's learning rates are device tensors that set_lr fills in place (the
+    embedding's at its own scale), so the replays follow the schedule; losses, norms and weights as the eager step's."""
     results = []
     for graph in (False, True):
         model, step = built_step(CFG, graph, execution={"dtype": "fp32", "compile": False},
-                                 optim={"grad_clip": grad_clip})
+                                 optim={"grad_clip": grad_clip, "embed_lr_scale": embed_lr_scale})
         row = []
         for i, (x, y) in enumerate(_batches(6, "cuda")):
             step.set_lr(1e-3 / (i + 1))

@@ -71,6 +71,34 @@ def test_the_optimizer_decays_matrices_only_with_the_shared_defaults():
     assert decayed["lr"] == hp.lr and decayed["betas"] == BETAS
 
 
+@pytest.mark.parametrize("grad_clip", [0.0, 1.0], ids=["stepped-in-backward", "clipped"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-bf16", "muon"])
+def test_the_embedding_steps_at_its_own_learning_rate_with_the_same_shrinkage(optimizer, grad_clip):
+    """--embed-lr-scale 10: the embedding's first AdamW update is 10 times as large on the rows the batch uses (Adam's
+    first step moves each entry by about lr), the rows it does not use shrink as without it, the rest is unchanged."""
+    (ids, targets), = batches(1)
+    moved = {}
+    for scale in (1.0, 10.0):
+        config = resolved(optim={"optimizer": optimizer, "embed_lr_scale": scale, "grad_clip": grad_clip})
+        torch.manual_seed(0)
+        step = build_step(TransformerLM(config.model), config)
+        before = {name: p.detach().clone() for name, p in step.model.named_parameters()}
+        step.set_lr(2e-3)
+        step(ids, targets)
+        moved[scale] = {name: p.detach() - before[name] for name, p in step.model.named_parameters()}
+        lrs = {float(g["lr"]) for g in step.optimizer.param_groups if any(p is step.model.embed.weight
+                                                                          for p in g["params"])}
+        assert lrs == {2e-3 * scale}
+    used = torch.zeros(256, dtype=torch.bool)
+    used[ids.unique()] = True
+    plain, scaled = moved[1.0].pop("embed.weight"), moved[10.0].pop("embed.weight")
+    ratio = scaled[used].abs().mean() / plain[used].abs().mean()
+    assert 9.0 < ratio < 10.5, ratio
+    torch.testing.assert_close(scaled[~used], plain[~used], rtol=1e-5, atol=1e-12)
+    for name, delta in moved[1.0].items():
+        torch.testing.assert_close(moved[10.0][name], delta, rtol=0, atol=0, msg=name)
+
+
 def test_the_step_reports_the_norm_before_clipping_and_clears_the_gradients():
     (ids, targets), = batches(1)
     norms = {}
@@ -145,16 +173,3 @@ def test_packed_documents_reach_the_model_and_are_split_with_the_micro_batches()
     torch.testing.assert_close(losses[1, 0], losses[1, None], rtol=1e-5, atol=1e-6)
     assert abs(losses[1, 3][0].item() - losses[1, None][0].item()) > 1e-3
     torch.testing.assert_close(losses[2, 3], losses[1, 3], rtol=1e-5, atol=1e-6)
-
-
-def test_a_loaded_learning_rate_gets_the_steps_kind_back():
-    """A checkpoint written under a CUDA graph holds tensor learning rates; a step without one takes floats."""
-    config = resolved()
-    step = build_step(TransformerLM(config.model), config)
-    for group in step.optimizer.param_groups:
-        group["lr"] = torch.tensor(3e-4)
-    step.match_lr_kind()
-    assert all(type(group["lr"]) is float and group["lr"] == pytest.approx(3e-4)
-               for group in step.optimizer.param_groups)
-    step.set_lr(1e-4)
-    assert all(group["lr"] == 1e-4 for group in step.optimizer.param_groups)

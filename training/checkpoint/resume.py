@@ -136,17 +136,30 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: Any, saved: dict[str
     set_optimizer_state_dict(model, optimizers_of(optimizer), saved)
 
 
+def keep_hyperparameters(optimizer: Any, built: list[dict[str, Any]]) -> None:
+    """After loading an optimizer state, each group gets back the settings this run built it with (the run's
+    configuration decides --weight-decay, --embed-lr-scale and the kind of learning rate: a device tensor under a CUDA
+    graph); the checkpoint gives only the state. Loading by parameter name hands each group the settings of the saved
+    group that held its first parameter, which differ where the groups do."""
+    for group, settings in zip(optimizer.param_groups, built, strict=True):
+        params = group["params"]
+        group.clear()
+        group.update(settings, params=params)
+
+
 def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,
                     config: Config, ctx: DistContext, warn: Callable[[str], None]) -> Resumed:
     """Restore model, optimizer, scaler and RNG from the newest checkpoint in `out` that loads."""
     path, state = _read(out, ctx, warn, config.run.allow_pickle)
     check_architecture(path, state, config.model)
     check_optimizer_state(path, state, config.optim.optimizer)
+    built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if ctx.parallel == "fsdp":
         sharded_checkpoint.load(path, model, optimizer)
     else:
         model.load_state_dict(state["model"])
         load_optimizer_state(model, optimizer, state["optimizer"])
+    keep_hyperparameters(optimizer, built)
     if state["scaler"]:  # empty when written without fp16: a run resumed with --dtype fp16 starts its scaler anew
         scaler.load_state_dict(state["scaler"])
     checkpoint.set_rng_state(state["rng"])

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from training.optim.registry import BETAS, EPS, OptimizerSettings, decay_groups, register
+from training.optim.registry import BETAS, EPS, OptimizerSettings, param_groups, register
 
 
 class AdamW(torch.optim.AdamW):
@@ -24,5 +24,5 @@ class AdamW(torch.optim.AdamW):
 
 @register("adamw", description="torch.optim.AdamW, fp32 moments, fused on CUDA", steps_in_backward=True)
 def build(model: nn.Module, params: list[nn.Parameter], s: OptimizerSettings) -> AdamW:
-    return AdamW(decay_groups(params, s.config.weight_decay), lr=s.lr, betas=BETAS, eps=EPS,
+    return AdamW(param_groups(model, params, s), lr=s.lr, betas=BETAS, eps=EPS,
                  fused=s.device.type == "cuda", capturable=s.capturable)

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from training.optim.registry import BETAS, EPS, OptimizerSettings, decay_groups, register
+from training.optim.registry import BETAS, EPS, OptimizerSettings, param_groups, register
 
 
 def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -185,5 +185,5 @@ class AdamW(torch.optim.Optimizer):
                                     "forward reads", steps_in_backward=True, keeps_weight_copies=True,
           state_layout="adamw")
 def build(model: nn.Module, params: list[nn.Parameter], s: OptimizerSettings) -> AdamW:
-    return AdamW(decay_groups(params, s.config.weight_decay), lr=s.lr, betas=BETAS, eps=EPS,
+    return AdamW(param_groups(model, params, s), lr=s.lr, betas=BETAS, eps=EPS,
                  state_dtype=torch.bfloat16, weight_copies=s.weight_copies)

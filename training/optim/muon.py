@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from training.optim.adamw import AdamW
-from training.optim.registry import BETAS, EPS, OptimizerSettings, decay_groups, register
+from training.optim.registry import BETAS, EPS, OptimizerSettings, param_groups, register
 
 MOMENTUM = 0.95
 NESTEROV = True
@@ -209,6 +209,6 @@ def build(model: nn.Module, params: list[nn.Parameter], s: OptimizerSettings) ->
                           "has no 2-D parameter under `blocks.`")
     wd = s.config.weight_decay
     muon = GroupedMuon(matrices, lr=s.lr, weight_decay=wd)
-    adamw = AdamW(decay_groups(rest, wd), lr=s.lr, betas=BETAS, eps=EPS, fused=s.device.type == "cuda",
+    adamw = AdamW(param_groups(model, rest, s), lr=s.lr, betas=BETAS, eps=EPS, fused=s.device.type == "cuda",
                   capturable=s.capturable)
     return MuonAdamW(muon, adamw)

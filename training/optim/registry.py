@@ -86,8 +86,18 @@ def state_layout(name: str) -> str:
     return _OPTIMIZERS[name].state_layout if name in _OPTIMIZERS else name
 
 
-def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: norm gains are scales, and decaying them towards 0 fights the normalisation."""
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+def param_groups(model: nn.Module, params: list[nn.Parameter], s: OptimizerSettings) -> list[dict]:
+    """The groups over `params`: weight decay on matrices only (norm gains are scales, and decaying them towards 0
+    fights the normalisation); with --embed-lr-scale, the embedding in a group of its own at that multiple of the
+    learning rate and with its decay divided by as much, so that the shrinkage a step (lr x decay) stays the run's."""
+    wd, scale = s.config.weight_decay, s.config.embed_lr_scale
+    embed = dict(model.named_parameters()).get("embed.weight") if scale != 1 else None
+    if scale != 1 and embed is None:
+        from training.config import ConfigError
+        raise ConfigError(f"--embed-lr-scale: {type(model).__name__} has no parameter named embed.weight")
+    scaled = [p for p in params if p is embed]
+    rest = [p for p in params if p is not embed]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": wd},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+              {"params": scaled, "weight_decay": wd / scale, "lr": s.lr * scale, "lr_scale": scale}]
     return [g for g in groups if g["params"]]

@@ -133,6 +133,30 @@ def test_optimizer_state_moves_between_one_optimizer_and_one_per_parameter(tmp_p
     assert_same_optimizer_state(a, step_a.optimizer, b, step_b.optimizer)
 
 
+@pytest.mark.parametrize("written, read", [(10.0, 1.0), (1.0, 10.0)])
+def test_a_resumed_run_steps_with_its_own_settings_and_the_checkpoints_state(tmp_path, written, read):
+    """--embed-lr-scale and --weight-decay may change on resume, and a graphed run's tensor learning rate comes back as
+    this run's kind: every group keeps the settings this run built it with (loading by name would hand each group those
+    of the saved group that held its first parameter), and every parameter the checkpoint's moments and step count."""
+    config_w, config_r = resolved(embed_lr_scale=written), resolved(embed_lr_scale=read, weight_decay=0.05)
+    a, step_a = trained(config_w, seed=0)
+    for group in step_a.optimizer.param_groups:  # as a CUDA-graphed run holds it
+        group["lr"] = torch.tensor(float(group["lr"]))
+    save_checkpoint(tmp_path, a, step_a.optimizer, step_a.scaler, 2, config_w)
+    b, step_b = trained(config_r, seed=1, steps=0)
+    built = [{k: v for k, v in group.items() if k != "params"} for group in step_b.optimizer.param_groups]
+    load_checkpoint(tmp_path, b, step_b.optimizer, step_b.scaler, config_r, DistContext(), no_warning)
+    assert [{k: v for k, v in group.items() if k != "params"} for group in step_b.optimizer.param_groups] == built
+    step_b.set_lr(1e-3)
+    saved, loaded = optimizer_state_by_name(a, step_a.optimizer), optimizer_state_by_name(b, step_b.optimizer)
+    for name, state in loaded.items():
+        embedding = name == "embed.weight"
+        assert type(state["lr"]) is float and state["lr"] == pytest.approx(1e-3 * (read if embedding else 1))
+        assert state["weight_decay"] == (0.05 / read if embedding else 0.05 if b.get_parameter(name).dim() > 1 else 0)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[key], saved[name][key]), (name, key)
+
+
 def test_a_scaler_that_was_off_starts_anew_and_one_that_was_on_keeps_its_scale(tmp_path):
     fp16 = CONFIG.replace(execution={"dtype": "fp16"})
     saved_run(tmp_path / "off", CONFIG, torch.amp.GradScaler("cpu", enabled=False))
