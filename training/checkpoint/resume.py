@@ -145,6 +145,16 @@ def keep_hyperparameters(optimizer: Any, built: list[dict[str, Any]]) -> None:
         params = group["params"]
         group.clear()
         group.update(settings, params=params)
+    # torch placed each step count by the saved group's flags: a checkpoint of a run without fused or capturable AdamW
+    # (the CPU's) leaves it on the CPU, where the fused and graphed updates this run's groups now ask for need it on
+    # the parameter's device, in fp32.
+    for opt in optimizers_of(optimizer):
+        for group in opt.param_groups:
+            if group.get("fused") or group.get("capturable"):
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    if isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler,

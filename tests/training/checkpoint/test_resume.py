@@ -157,6 +157,32 @@ def test_a_resumed_run_steps_with_its_own_settings_and_the_checkpoints_state(tmp
             assert torch.equal(state[key], saved[name][key]), (name, key)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graphed"])
+def test_a_cpu_runs_checkpoint_resumes_on_the_gpu_with_its_step_counts_there(tmp_path, graph):
+    """A CPU run's AdamW is neither fused nor capturable and keeps its step counts on the CPU; the GPU run it resumes
+    into is fused (and capturable when graphed): every count moves to the GPU, and the run goes on as the CPU run does."""
+    cpu = resolve(CONFIG.replace(execution={"device": "cpu"})).config
+    a, step_a = trained(cpu, seed=0)
+    save_checkpoint(tmp_path, a, step_a.optimizer, step_a.scaler, 2, cpu)
+    gpu = resolve(CONFIG.replace(execution={"device": "cuda", "compile": False, "cuda_graph": graph})).config
+    torch.manual_seed(1)
+    b = TransformerLM(gpu.model, gpu.execution.attn).cuda()
+    step_b = build_step(b, gpu)
+    load_checkpoint(tmp_path, b, step_b.optimizer, step_b.scaler, gpu, DistContext(device=torch.device("cuda")),
+                    no_warning)
+    counts = [state["step"] for opt in optimizers_of(step_b.optimizer) for state in opt.state.values()]
+    assert counts and all(t.is_cuda and t.dtype == torch.float32 and t.item() == 2 for t in counts)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(4):  # graphed: two eager steps, the capture, a replay
+        ids = torch.randint(0, CFG.vocab_size, (4, CFG.context_length + 1), generator=gen)
+        loss_a, _ = step_a(ids[:, :-1], ids[:, 1:])
+        loss_b, _ = step_b(ids[:, :-1].cuda(), ids[:, 1:].cuda())
+        torch.testing.assert_close(loss_b.cpu(), loss_a, rtol=1e-3, atol=1e-4)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-3, atol=1e-4)
+
+
 def test_a_scaler_that_was_off_starts_anew_and_one_that_was_on_keeps_its_scale(tmp_path):
     fp16 = CONFIG.replace(execution={"dtype": "fp16"})
     saved_run(tmp_path / "off", CONFIG, torch.amp.GradScaler("cpu", enabled=False))
