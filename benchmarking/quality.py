@@ -18,7 +18,6 @@ are those of its first evaluation at or below it (a resolution of --eval-interva
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections import deque
@@ -60,11 +59,6 @@ class QualitySettings:
     overrides: dict[tuple[str, str], Any]  # (section, field) -> value of the flags given, over each recipe
     cache_dir: Path  # the token cache of text data
     devices: tuple[str, ...] = ()  # more than one: recipes side by side, one per device (quality_devices.py)
-
-
-def with_device(config: Config, device: str) -> Config:
-    """`config` run on `device`."""
-    return dataclasses.replace(config, execution=dataclasses.replace(config.execution, device=device))
 
 
 def recipe_label(spec: str) -> str:

@@ -18,7 +18,7 @@ import signal
 import time
 from typing import Any, Optional
 
-from benchmarking.quality import Outcome, QualitySettings, Say, open_data, recipe_label, run_one, with_device
+from benchmarking.quality import Outcome, QualitySettings, Say, open_data, recipe_label, run_one
 
 STOP_WAIT_S = 60.0  # at most, for the processes to report after a stop, before they are killed
 
@@ -147,7 +147,7 @@ def work(index: int, device: str, settings: QualitySettings, tasks: Any, results
             done: list[Outcome] = []
             try:
                 sources[length] = sources.get(length) or open_data(settings, length)
-                local = with_device(config, "cuda" if device.startswith("cuda") else device)  # its one GPU
+                local = config.replace(execution={"device": "cuda" if device.startswith("cuda") else device})  # its GPU
                 run_one(spec, size, (local, explicit), sources[length], settings, say, done)
             except Exception as e:  # noqa: BLE001  # what run_one lets through: the row says it, the others go on
                 message = f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -157,7 +157,8 @@ def work(index: int, device: str, settings: QualitySettings, tasks: Any, results
                 if done:
                     outcome = done[-1]
                     if outcome.config is not None:  # named as the parent names the device
-                        outcome = dataclasses.replace(outcome, config=with_device(outcome.config, device))
+                        named = outcome.config.replace(execution={"device": device})
+                        outcome = dataclasses.replace(outcome, config=named)
                     results.put(("outcome", (recipe, outcome)))
     except KeyboardInterrupt:
         return
