@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch.autograd import DeviceType
@@ -77,6 +79,61 @@ def kernel_markdown(rows: list[KernelRow], on_gpu: bool, active_steps: int, top:
     return "\n".join(lines) + "\n"
 
 
+# NCCL's kernels (ncclDevKernel_AllReduce_Sum_f32_RING_LL, ...): the GPU side of DDP's and FSDP's collectives.
+COMMUNICATION = re.compile(r"nccl", re.I)
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # Chrome-trace categories of what runs on the GPU
+
+
+@dataclass(frozen=True)
+class GpuTimeSplit:
+    """How one GPU spent the profiled steps, in ms per step. The span runs from the first GPU operation's start to the
+    last one's end; `computing` is the time some kernel other than communication ran (copies and memsets count),
+    `communicating` the time some communication kernel ran, `exposed` the part of it with nothing computing beside
+    it, `idle` the time nothing ran (the GPU waiting for the host)."""
+
+    span_ms: float
+    computing_ms: float
+    communicating_ms: float
+    exposed_ms: float
+    idle_ms: float
+
+    def __str__(self) -> str:
+        return (f"GPU time per step {self.span_ms:.2f} ms: computing {self.computing_ms:.2f}, communicating "
+                f"{self.communicating_ms:.2f} ({self.exposed_ms:.2f} of it with nothing computing), idle "
+                f"{self.idle_ms:.2f}")
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def gpu_time_split(events: list[dict], steps: int) -> Optional[GpuTimeSplit]:
+    """The GpuTimeSplit of a torch.profiler Chrome trace's events (times in µs) over `steps` steps; None when the
+    trace holds no GPU work (a CPU run)."""
+    computing, communicating = [], []
+    for e in events:
+        if e.get("cat") in GPU_WORK and "dur" in e:
+            interval = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            (communicating if COMMUNICATION.search(e.get("name", "")) else computing).append(interval)
+    if not computing and not communicating:
+        return None
+    busy, comp, comm = _union(computing + communicating), _union(computing), _union(communicating)
+    span = busy[-1][1] - busy[0][0]
+    per_step = 1e3 * steps  # µs over all steps -> ms per step
+    return GpuTimeSplit(span / per_step, _length(comp) / per_step, _length(comm) / per_step,
+                        (_length(busy) - _length(comp)) / per_step, (span - _length(busy)) / per_step)
+
+
 def profile_steps(
     step: Callable[[], object],
     out_dir: str | Path,
@@ -112,5 +169,6 @@ def profile_steps(
                 torch.cuda.synchronize(device)  # the step's kernels land in its own profiler window
             prof.step()
     rows = captured["rows"]
-    table_path.write_text(kernel_markdown(rows, on_gpu, active, top, title))
+    split = gpu_time_split(json.loads(trace_path.read_text())["traceEvents"], active) if on_gpu else None
+    table_path.write_text(kernel_markdown(rows, on_gpu, active, top, title) + (f"\n{split}.\n" if split else ""))
     return ProfileResult(trace_path, table_path, rows, on_gpu, active)

@@ -2,9 +2,10 @@
 
     python scripts/kernel_categories.py RUN/prof/trace.json 2 --top 45
 
-TRACE is the Chrome trace that `bench_model.py --profile DIR` writes (DIR/trace.json, or one folder per
-configuration under DIR); STEPS is how many steps it recorded (`--profile-steps`). Prints ms per step per category,
-then the kernels that took the most GPU time. `scripts/gpu.sh profile` runs it on the training-step configs.
+TRACE is a Chrome trace that `bench_model.py --profile DIR` writes (DIR/trace.json, or one folder per configuration
+under DIR) or `train.py --profile DIR` (DIR/trace-rank<r>.json); STEPS is how many steps it recorded
+(`--profile-steps`). Prints ms per step per category, the kernels that took the most GPU time, then how the GPU's time
+split between computing, communicating and idling. `scripts/gpu.sh profile` runs it on the training-step configs.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
+import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from profiling.torch_profile import COMMUNICATION, gpu_time_split  # noqa: E402
 
 # First match wins. cuBLAS names its Hopper GEMMs nvjet_*/sm90_xmma_*, and Inductor's own kernels start with triton_.
 CATEGORIES = [
+    ("communication (NCCL)", COMMUNICATION),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|sm90_xmma|Kernel2", re.I)),
     ("attention", re.compile(r"flash|fmha|sdpa|cudnn|attn", re.I)),
     ("adamw", re.compile(r"multi_tensor_apply|adam", re.I)),  # torch's fused AdamW; training/optim/adamw_bf16_kernel.py
@@ -32,9 +39,8 @@ def category(kernel_name: str) -> str:
     return next(name for name, pattern in CATEGORIES if pattern.search(kernel_name))
 
 
-def kernel_times(trace_path: Path) -> dict[str, list[float]]:
-    """Each GPU kernel's (and memset's/memcpy's) durations in ms, by name, from a torch.profiler Chrome trace."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+def kernel_times(events: list[dict]) -> dict[str, list[float]]:
+    """Each GPU kernel's (and memset's/memcpy's) durations in ms, by name, from a torch.profiler Chrome trace's events."""
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
     for event in events:
         if event.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in event:
@@ -64,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("steps", type=int, help="profiled steps in the trace (bench_model.py --profile-steps)")
     parser.add_argument("--top", type=int, default=40, help="kernels listed after the categories (default 40)")
     args = parser.parse_args(argv)
-    print(report(kernel_times(args.trace), args.steps, args.top))
+    events = json.loads(args.trace.read_text())["traceEvents"]
+    print(report(kernel_times(events), args.steps, args.top))
+    split = gpu_time_split(events, args.steps)
+    if split:
+        print(split)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,6 +209,24 @@ def test_config_json_reproduces_the_run(tmp_path, text_file, capsys):
                                 for r, a in zip(first, read_rows(again), strict=True)]
 
 
+def test_profile_records_the_steps_after_the_warm_up_and_a_resumed_run_does_not_again(tmp_path, text_file, capsys):
+    prof = tmp_path / "prof"
+    code, rows, out = run(tmp_path, text_file, "--steps", "14", "--eval-every", "0", "--profile", str(prof),
+                          "--profile-steps", "2")
+    assert code == 0 and [r["step"] for r in rows][-1] == 14
+    # No warm-up on the CPU: step 10 warms the profiler up, 11 and 12 are recorded.
+    assert f"profiled steps 11-12: {prof / 'trace-rank0.json'}, kernels-rank0.md" in capsys.readouterr().out
+    events = json.loads((prof / "trace-rank0.json").read_text())["traceEvents"]
+    assert sum(e["name"].startswith("ProfilerStep#") for e in events) == 2
+    assert "steps 11-12, rank 0" in (prof / "kernels-rank0.md").read_text()
+    assert json.loads((out / "config.json").read_text())["run"]["profile"] == str(prof)
+
+    shutil.rmtree(prof)
+    assert train.main(["--resume", "--out", str(out), "--steps", "30"]) == 0
+    assert "profiled" not in capsys.readouterr().out and not prof.exists()
+    assert json.loads((out / "config.json").read_text())["run"]["profile"] is None
+
+
 @pytest.mark.slow  # train.py runs and resumes
 def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_path, text_file, capsys):
     out = tmp_path / "run"
@@ -252,6 +271,8 @@ def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_
         (["--optimizer", "muon", "--parallel", "fsdp"], 2, "--parallel fsdp shards them"),
         (["--optimizer", "fp8"], 2, "unknown --optimizer 'fp8'; valid: adamw, adamw-bf16"),
         (["--grad-accum-steps", "3"], 2, r"--grad-accum-steps 3 must divide the sequences per rank and step \(4\)"),
+        (["--profile-steps", "0"], 2, "--profile-steps must be >= 1, got 0"),
+        (["--profile", __file__], 2, f"--profile {__file__}: exists and is not a directory"),
     ],
 )
 def test_bad_input_stops_with_a_message(tmp_path, text_file, capsys, argv, code, message):

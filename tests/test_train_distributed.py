@@ -86,8 +86,8 @@ def fsdp_run(tmp_path_factory, text_file) -> Path:
 
 @pytest.mark.slow  # two processes over gloo, and one
 def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
-    out = tmp_path / "ddp"
-    results = run_ranks(argv(text_file, out, "--parallel", "ddp"), tmp_path / "logs")
+    out, prof = tmp_path / "ddp", tmp_path / "prof"
+    results = run_ranks(argv(text_file, out, "--parallel", "ddp", "--profile", str(prof)), tmp_path / "logs")
     assert_ranks_exited(results, 0, 0)
     assert_same_training(rows(out), rows(one_process))
     ddp = checkpoint.load(out / f"checkpoint-{STEPS}.safetensors")
@@ -100,9 +100,12 @@ def test_ddp_trains_like_one_process(tmp_path, text_file, one_process):
     halves = [torch.load(tmp_path / "logs" / f"rank{r}.first_inputs.pt") for r in (0, 1)]
     assert [h.shape for h in halves] == [(2, 16), (2, 16)]
     torch.testing.assert_close(torch.cat(halves), global_inputs, rtol=0, atol=0)
-    # Rank 0 alone reports; the other rank stays silent.
+    # Rank 0 alone reports; the other rank stays silent. Each writes the profile of its own steps (--profile).
     assert "ddp over 2 ranks" in results[0].stdout and f"train {STEPS}/{STEPS} steps" in results[0].stdout
+    assert f"profiled steps 6-8: {prof / 'trace-rank0.json'}" in results[0].stdout  # a run too short: its last
     assert results[1].stdout == ""
+    assert sorted(p.name for p in prof.iterdir()) == ["kernels-rank0.md", "kernels-rank1.md", "trace-rank0.json",
+                                                      "trace-rank1.json"]
 
 
 @pytest.mark.slow  # two processes over gloo

@@ -209,7 +209,10 @@ def parse(argv: Optional[Sequence[str]], prog: str = "train.py", description: st
             base = apply(base, flatten(saved))
             asked = apply(base, {**from_file, **given})
             check_resume_keeps_model(out, base, asked)
-            return asked.replace(run={"resume": True, "overwrite": False}), frozenset(k for _, k in given)
+            # A profile belongs to the command that asks for it, not to the run's later resumptions.
+            profile = {**from_file, **given}.get(("run", "profile"))
+            return (asked.replace(run={"resume": True, "overwrite": False, "profile": profile}),
+                    frozenset(k for _, k in given))
     config = apply(base, {**from_file, **given})
     return config, frozenset(k for _, k in [*from_file, *given])
 

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -122,6 +123,9 @@ class RunConfig:
     seed: int = option(0, "seed of the initial weights and the data order", True)
     wandb: str = option("offline", "W&B: offline writes <out>/wandb for a later `wandb sync`", choices=WANDB_MODES)
     wandb_project: str = option("flash-lm", "W&B project")
+    profile: Optional[str] = option(None, "record --profile-steps steps after the warm-up under torch.profiler: each "
+                                          "rank's Chrome trace and kernel table in this directory (docs/profiling.md)")
+    profile_steps: int = option(3, "steps --profile records")
     allow_pickle: bool = option(False, "load checkpoints of earlier versions, written with pickle (torch.save): "
                                        "unpickling can run code the file carries, so only for files you trust")
 
@@ -241,6 +245,7 @@ def _check_values(config: Config) -> None:
                 "--log-every": (ru.log_every, 1), "--grad-accum-steps": (ex.grad_accum_steps, 1),
                 "--vocab-size": (da.vocab_size, 1), "--eval-every": (ru.eval_every, 0),
                 "--ckpt-every": (ru.ckpt_every, 0), "--keep-checkpoints": (ru.keep_checkpoints, 0),
+                "--profile-steps": (ru.profile_steps, 1),
                 "--grad-clip": (op.grad_clip, 0), "--warmup-steps": (op.warmup_steps, 0), "--lr": (op.lr, 0),
                 "--min-lr": (op.min_lr, 0), "--weight-decay": (op.weight_decay, 0)}
     for flag, (value, least) in at_least.items():
@@ -252,6 +257,8 @@ def _check_values(config: Config) -> None:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {ex.dist_timeout:g}")
     if op.min_lr > op.lr:
         raise ConfigError(f"--min-lr ({op.min_lr:g}) is larger than --lr ({op.lr:g})")
+    if ru.profile is not None and Path(ru.profile).exists() and not Path(ru.profile).is_dir():
+        raise ConfigError(f"--profile {ru.profile}: exists and is not a directory")
     if ru.resume and ru.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite moves it aside: pass one of them")
     problem = config.model.problem()

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from model import TransformerLM
+from profiling.run_profiler import RunProfiler, profile_window
 from training.checkpoint.resume import load_checkpoint, save_checkpoint
 from training.cli import write_config
 from training.config import Config
@@ -182,11 +183,36 @@ class Trainer:
         if warm:
             progress.write(f"warming up: the first {warm} step{'s' * (warm > 1)} compile"
                            f"{' and capture the CUDA graph' if self.config.execution.cuda_graph else ''} (timed apart)")
+        profiler = self._profiler(first, warm)
+        try:
+            self._steps(stop, progress, first, warm, window, profiler)
+        finally:
+            if profiler is not None:
+                profiler.close()
+
+    def _profiler(self, first: int, warm: int) -> Optional[RunProfiler]:
+        """--profile's window of steps, or None."""
+        run = self.config.run
+        if run.profile is None:
+            return None
+        start, count = profile_window(first, warm, run.steps, run.profile_steps)
+        if count == 0:
+            self.warn(f"--profile: a run of {run.steps - first} step records none (one warms the profiler up)")
+            return None
+        return RunProfiler(Path(run.profile), start, count, self.ctx.device, self.ctx.rank)
+
+    def _steps(self, stop: StopRequest, progress: Progress, first: int, warm: int, window: "Window",
+               profiler: Optional[RunProfiler]) -> None:
+        run, state = self.config.run, self.state
         while state.step < run.steps:
             # Without a warm-up, the first step reports at once, so that a piped run says something.
             early = not warm and state.step == first
+            if profiler is not None:
+                profiler.before_step(state.step)
             loss, grad_norm, lr = self._train_step(state.step, early or self._due(state.step + 1))
             state.step += 1
+            if profiler is not None and (line := profiler.after_step(state.step)) and self.ctx.is_main:
+                progress.write(line)
             window.steps += 1
             progress.update(1)
             stop_now = distributed.any_rank(stop.requested, self.ctx)  # every rank stops at the same step

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from profiling.torch_profile import KernelRow, kernel_markdown, kernel_table, profile_steps
+from profiling.torch_profile import GpuTimeSplit, KernelRow, gpu_time_split, kernel_markdown, kernel_table, profile_steps
 
 
 @pytest.mark.parametrize("active", [1, 3])
@@ -70,3 +70,23 @@ def test_markdown_shortens_long_names_and_escapes_pipes():
 def test_bad_schedule_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="active >= 1"):
         profile_steps(lambda: None, tmp_path, "cpu", active=0)
+
+
+def _gpu(name, start_us, dur_us, cat="kernel"):
+    return {"cat": cat, "name": name, "ts": start_us, "dur": dur_us, "ph": "X"}
+
+
+def test_the_gpu_time_splits_into_computing_communicating_alone_and_idle():
+    # Two steps: compute 0-20 (two kernels overlapping), NCCL 15-40 (5 us beside compute, 20 alone of which a copy
+    # covers 30-35), idle 40-50, compute 50-60. A CPU operator in the middle counts for nothing.
+    events = [_gpu("nvjet_sm90_gemm", 0, 10), _gpu("triton_poi_fused_add_0", 8, 12),
+              _gpu("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 15, 25), _gpu("Memcpy DtoD", 30, 5, "gpu_memcpy"),
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 40, "dur": 10, "ph": "X"}, _gpu("nvjet_sm90_gemm", 50, 10)]
+    split = gpu_time_split(events, steps=2)
+    assert split == GpuTimeSplit(span_ms=60 / 2e3, computing_ms=35 / 2e3, communicating_ms=25 / 2e3,
+                                 exposed_ms=15 / 2e3, idle_ms=10 / 2e3)
+    assert str(split).startswith("GPU time per step 0.03 ms: computing 0.02, communicating 0.01")
+
+
+def test_a_trace_without_gpu_work_has_no_split():
+    assert gpu_time_split([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}], steps=1) is None

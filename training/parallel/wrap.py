@@ -21,9 +21,10 @@ def wrap_model(model: nn.Module, ctx: DistContext, dtype: torch.dtype) -> nn.Mod
     if ctx.parallel == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buckets of 100 MB, not DDP's 25: a `large` model's 3.9 GB of fp32 gradients in 39 all-reduces rather than
-        # 155 overlap the backward better (results/README.md, two GPUs).
+        # 155 overlap the backward better (results/README.md, two GPUs). The only buffers are RoPE's tables, computed
+        # alike on every rank: broadcasting them before each forward would copy them for nothing.
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                                   bucket_cap_mb=DDP_BUCKET_MB)
+                                                   bucket_cap_mb=DDP_BUCKET_MB, broadcast_buffers=False)
     if ctx.parallel == "fsdp":
         shard_blocks_and_root(model, ctx, dtype)
         return model
