@@ -15,7 +15,7 @@ import torch
 
 import train
 from model import ModelConfig, TransformerLM
-from tests.ranks import run_ranks
+from tests.ranks import free_port, run_ranks
 from training.checkpoint import consolidate
 from training.checkpoint.files import checkpoint_name
 from training.checkpoint import format as checkpoint
@@ -302,6 +302,26 @@ def test_torchrun_launches_train_py(tmp_path, text_file, one_process):
     proc = subprocess.run([*torchrun, "train.py", *argv(text_file, out, "--parallel", "ddp")], env=env,
                           cwd=Path(train.__file__).parent, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_training(rows(out), rows(one_process))
+
+
+@pytest.mark.slow  # two torchrun agents, four fresh Pythons
+@pytest.mark.parametrize("parallel, per_node", [("ddp", 2), ("fsdp", 1)])
+def test_the_several_machine_launch_trains_like_one_process(tmp_path, text_file, one_process, parallel, per_node):
+    """docs/distributed.md's launch on several machines, as two torchrun agents on this one: they meet at a c10d
+    rendezvous, number their ranks across both, and train as one process does (DDP on 2 x 2 ranks, FSDP on 2 x 1)."""
+    out = tmp_path / parallel
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test", "--rdzv-conf",
+         f"is_host={int(node == 0)}", "train.py", *argv(text_file, out, "--parallel", parallel)],
+        env=env, cwd=Path(train.__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    outputs = [agent.communicate(timeout=180) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
+    assert f"{parallel} over {2 * per_node} ranks" in outputs[0][0] + outputs[1][0]
     assert_same_training(rows(out), rows(one_process))
 
 
