@@ -49,7 +49,8 @@
 #                tokens each takes to reach adamw's final bits per byte, and the curves (curves.png)
 #   distributed  torchrun train.py on 2 GPUs (NCCL, NVLink multicast off):
 #                  ddp   the large preset, compiled, 100 steps, 8 sequences per GPU, on 1 GPU then 2: the ratio of
-#                        their tokens/s, medians of steps 51-100 (measured 1.84x on 2 H200s; goal 1.93x)
+#                        their tokens/s, medians of steps 51-100 (measured 1.85x on 2 H200s; goal 1.93x), and
+#                        how each rank's GPU time split over steps 12-14 (--profile, before the timed half)
 #                  fsdp  the 10B preset (12.7B parameters, more than one GPU holds), context 1024, batch 16,
 #                        selective recomputation, bf16 AdamW moments, 40 steps on byte-level text
 #
@@ -380,8 +381,8 @@ step_distributed() {
             ddp)  # the same 8 sequences per GPU, so 2 GPUs should move twice the tokens per second
                 local ddp=("${ddp_model[@]}" --data synthetic --steps "$ddp_steps" --log-every 10 "${common[@]}"
                            --parallel ddp)
-                torchrun_train "$dir" ddp-1gpu 1 120 "${ddp[@]}" --batch-size 8
-                torchrun_train "$dir" ddp-2gpu 2 120 "${ddp[@]}" --batch-size 16 ;;
+                torchrun_train "$dir" ddp-1gpu 1 120 "${ddp[@]}" --batch-size 8 --profile "$dir/ddp-1gpu-profile"
+                torchrun_train "$dir" ddp-2gpu 2 120 "${ddp[@]}" --batch-size 16 --profile "$dir/ddp-2gpu-profile" ;;
             fsdp)  # this initialisation spikes the loss in the first steps at every size, in one process too; a
                    # peak LR of 3e-4 after 2 warm-up steps diverged on 2 H200s, 1.5e-4 after 10 falls
                 torchrun_train "$dir" fsdp-10B-2gpu 2 240 "${fsdp_model[@]}" --batch-size 16 --steps 40 \
@@ -488,6 +489,11 @@ elif kind == "distributed":
     def steady(name):  # the median tokens/s of the windows in the second half of the run
         rows = [x for x in metrics(logs / name / "metrics.jsonl") if "tokens_per_s" in x]
         return statistics.median(x["tokens_per_s"] for x in rows[len(rows) // 2:]) if rows else None
+    for name in ("ddp-1gpu", "ddp-2gpu"):
+        log = logs / f"{name}.log"
+        profiled = [line for line in log.read_text().splitlines() if "profiled steps" in line] if log.exists() else []
+        if profiled:
+            print(f"{name}: {profiled[-1].strip()}")
     one, two = steady("ddp-1gpu"), steady("ddp-2gpu")
     if one and two:
         print(f"\nDDP 2 GPUs / 1 GPU tokens/s, medians of the second half: {two / one:.2f}x "
