@@ -227,6 +227,25 @@ def test_profile_records_the_steps_after_the_warm_up_and_a_resumed_run_does_not_
     assert json.loads((out / "config.json").read_text())["run"]["profile"] is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU kernels need a GPU")
+@pytest.mark.parametrize("graph", ["--cuda-graph", "--no-cuda-graph"])
+def test_profile_on_the_gpu_tables_the_kernels_and_splits_the_gpu_time(tmp_path, text_file, capsys, graph):
+    prof = tmp_path / "prof"
+    code, _, _ = run(tmp_path, text_file, "--device", "cuda", "--dtype", "bf16", "--no-compile", graph, "--steps", "20",
+                     "--eval-every", "0", "--keep-checkpoints", "0", "--profile", str(prof), "--profile-steps", "2")
+    assert code == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "profiled steps" in line)
+    split = re.search(r"GPU time per step ([\d.]+) ms: computing ([\d.]+), communicating ([\d.]+) \(([\d.]+) of it "
+                      r"with nothing computing\), idle ([\d.]+)", line)
+    span, computing, communicating, exposed, idle = map(float, split.groups())
+    assert 0 < computing <= span and communicating == exposed == 0  # one process: no collectives
+    assert computing + idle == pytest.approx(span, abs=0.02)
+    table = (prof / "kernels-rank0.md").read_text()
+    assert "GPU kernels by total GPU time" in table and table.count("\n| `") >= 5  # the step's kernels, by name
+    events = json.loads((prof / "trace-rank0.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events) and not any(e.get("cat") == "cpu_op" for e in events)
+
+
 @pytest.mark.slow  # train.py runs and resumes
 def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_path, text_file, capsys):
     out = tmp_path / "run"
