@@ -9,15 +9,14 @@ capturing and the first slower steps stay out of it; a run too short for that pr
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from profiling.torch_profile import gpu_time_split, kernel_markdown, kernel_table
-from training.run.files import temp_path, write_atomic
+from profiling.torch_profile import export_trace, gpu_time_split, kernel_markdown, kernel_table
+from training.run.files import write_atomic
 
 SETTLE_STEPS = 10  # steps between the warm-up and the window: the first ones after it still run slower
 
@@ -35,8 +34,10 @@ class RunProfiler:
     it (the number of steps done); the window is [start, start + count), start >= 1. `close()` stops a window a run
     left early."""
 
-    def __init__(self, out_dir: Path, start: int, count: int, device: torch.device, rank: int):
+    def __init__(self, out_dir: Path, start: int, count: int, device: torch.device, rank: int,
+                 warn: Callable[[str], None] = print):
         self.out_dir, self.start, self.end, self.device, self.rank = Path(out_dir), start, start + count, device, rank
+        self.warn = warn  # a file that cannot be written is said, and the run goes on
         self._prof: Optional[profile] = None
 
     def before_step(self, step: int) -> None:
@@ -49,7 +50,9 @@ class RunProfiler:
                                  schedule=schedule(wait=0, warmup=1, active=self.end - self.start))
             self._prof.start()
         elif self._prof is not None:
-            self._prof.step()  # a ProfilerStep#N range around each step in the trace
+            if step == self.start:
+                self._synchronize()  # the warm-up step's kernels stay out of the first recorded step
+            self._prof.step()
 
     def after_step(self, done: int) -> Optional[str]:
         """At the window's end: stop, write this rank's files, and return the line that says where they are."""
@@ -58,20 +61,18 @@ class RunProfiler:
         self._synchronize()
         prof, self._prof = self._prof, None
         prof.stop()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         trace, kernels = self.out_dir / f"trace-rank{self.rank}.json", self.out_dir / f"kernels-rank{self.rank}.md"
-        tmp = temp_path(trace)
-        try:
-            prof.export_chrome_trace(str(tmp))
-            os.replace(tmp, trace)
-        finally:
-            tmp.unlink(missing_ok=True)
         steps, on_gpu = self.end - self.start, self.device.type == "cuda"
-        split = gpu_time_split(json.loads(trace.read_text())["traceEvents"], steps)
-        table = kernel_markdown(kernel_table(prof.key_averages(), on_gpu), on_gpu, steps,
-                                title=f"steps {self.start + 1}-{self.end}, rank {self.rank}")
-        text = table + (f"\n{split}.\n" if split else "")
-        write_atomic(kernels, lambda f: f.write(text.encode()))
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            export_trace(prof, trace)
+            split = gpu_time_split(json.loads(trace.read_text())["traceEvents"], steps)
+            table = kernel_markdown(kernel_table(prof.key_averages(), on_gpu), on_gpu, steps,
+                                    title=f"steps {self.start + 1}-{self.end}, rank {self.rank}", split=split)
+            write_atomic(kernels, lambda f: f.write(table.encode()))
+        except OSError as e:  # a full disk: the profile is lost, not the run
+            self.warn(f"--profile {self.out_dir}: could not write the profile of rank {self.rank}: {e}")
+            return None
         return f"profiled steps {self.start + 1}-{self.end}: {trace}, {kernels.name}" + (f"; {split}" if split else "")
 
     def close(self) -> None:

@@ -12,6 +12,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from training.run.files import move_into_place, temp_path, write_atomic
+
 
 @dataclass(frozen=True)
 class KernelRow:
@@ -59,8 +61,9 @@ def _short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def kernel_markdown(rows: list[KernelRow], on_gpu: bool, active_steps: int, top: int = 30, title: str = "") -> str:
-    """The top `top` rows as a markdown table."""
+def kernel_markdown(rows: list[KernelRow], on_gpu: bool, active_steps: int, top: int = 30, title: str = "",
+                    split: Optional["GpuTimeSplit"] = None) -> str:
+    """The top `top` rows as a markdown table, then the split of the GPU's time when given."""
     what = "GPU kernels by total GPU time" if on_gpu else "CPU ops by self CPU time"
     share = "% of GPU time" if on_gpu else "% of CPU time"
     total_ms = sum(r.total_ms for r in rows)
@@ -76,6 +79,8 @@ def kernel_markdown(rows: list[KernelRow], on_gpu: bool, active_steps: int, top:
     ]
     for r in rows[:top]:
         lines.append(f"| `{_short(r.name)}` | {r.calls} | {r.total_ms:.3f} | {r.percent:.1f} |")
+    if split is not None:
+        lines += ["", f"{split}."]
     return "\n".join(lines) + "\n"
 
 
@@ -155,7 +160,7 @@ def profile_steps(
     captured: dict[str, list[KernelRow]] = {}
 
     def on_ready(prof) -> None:
-        prof.export_chrome_trace(str(trace_path))
+        export_trace(prof, trace_path)
         captured["rows"] = kernel_table(prof.key_averages(), on_gpu)
 
     with profile(
@@ -170,5 +175,13 @@ def profile_steps(
             prof.step()
     rows = captured["rows"]
     split = gpu_time_split(json.loads(trace_path.read_text())["traceEvents"], active) if on_gpu else None
-    table_path.write_text(kernel_markdown(rows, on_gpu, active, top, title) + (f"\n{split}.\n" if split else ""))
+    table = kernel_markdown(rows, on_gpu, active, top, title, split)
+    write_atomic(table_path, lambda f: f.write(table.encode()))
     return ProfileResult(trace_path, table_path, rows, on_gpu, active)
+
+
+def export_trace(prof: profile, path: Path) -> None:
+    """The profiler's Chrome trace, written to a temporary name and moved into place."""
+    tmp = temp_path(path)
+    prof.export_chrome_trace(str(tmp))
+    move_into_place(tmp, path)

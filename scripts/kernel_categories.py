@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from profiling.torch_profile import COMMUNICATION, gpu_time_split  # noqa: E402
+from profiling.torch_profile import COMMUNICATION, GPU_WORK, gpu_time_split  # noqa: E402
 
 # First match wins. cuBLAS names its Hopper GEMMs nvjet_*/sm90_xmma_*, and Inductor's own kernels start with triton_.
 CATEGORIES = [
@@ -43,7 +43,7 @@ def kernel_times(events: list[dict]) -> dict[str, list[float]]:
     """Each GPU kernel's (and memset's/memcpy's) durations in ms, by name, from a torch.profiler Chrome trace's events."""
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
     for event in events:
-        if event.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in event:
+        if event.get("cat") in GPU_WORK and "dur" in event:
             per_kernel[event["name"]].append(event["dur"] / 1e3)
     return dict(per_kernel)
 

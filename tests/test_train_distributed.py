@@ -319,7 +319,11 @@ def test_the_several_machine_launch_trains_like_one_process(tmp_path, text_file,
          f"is_host={int(node == 0)}", "train.py", *argv(text_file, out, "--parallel", parallel)],
         env=env, cwd=Path(train.__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)]
-    outputs = [agent.communicate(timeout=180) for agent in agents]
+    try:
+        outputs = [agent.communicate(timeout=180) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()  # a no-op once it has exited
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
     assert f"{parallel} over {2 * per_node} ranks" in outputs[0][0] + outputs[1][0]
     assert_same_training(rows(out), rows(one_process))

@@ -257,13 +257,22 @@ def _check_values(config: Config) -> None:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {ex.dist_timeout:g}")
     if op.min_lr > op.lr:
         raise ConfigError(f"--min-lr ({op.min_lr:g}) is larger than --lr ({op.lr:g})")
-    if ru.profile is not None and Path(ru.profile).exists() and not Path(ru.profile).is_dir():
-        raise ConfigError(f"--profile {ru.profile}: exists and is not a directory")
+    if ru.profile is not None:
+        _check_profile_dir(Path(ru.profile))
     if ru.resume and ru.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite moves it aside: pass one of them")
     problem = config.model.problem()
     if problem:
         raise ConfigError(as_flags(problem))
+
+
+def _check_profile_dir(path: Path) -> None:
+    """--profile's directory: one, or one this process may create (its nearest existing parent is writable)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--profile {path}: exists and is not a directory")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--profile {path}: {existing} is not writable")
 
 
 def _check_combinations(config: Config, device: torch.device, world_size: int) -> None:
@@ -367,6 +376,8 @@ def _warnings(config: Config, explicit: frozenset[str]) -> list[str]:
     elif m.window is not None and m.window >= m.context_length:
         out.append(f"warning: --window {m.window} is not shorter than --context-length {m.context_length}: the local "
                    "layers see their whole context")
+    if "profile_steps" in explicit and config.run.profile is None:
+        out.append(f"warning: --profile-steps {config.run.profile_steps} records nothing without --profile DIR")
     return out
 
 

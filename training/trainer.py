@@ -199,7 +199,7 @@ class Trainer:
         if count == 0:
             self.warn(f"--profile: a run of {run.steps - first} step records none (one warms the profiler up)")
             return None
-        return RunProfiler(Path(run.profile), start, count, self.ctx.device, self.ctx.rank)
+        return RunProfiler(Path(run.profile), start, count, self.ctx.device, self.ctx.rank, _stderr)
 
     def _steps(self, stop: StopRequest, progress: Progress, first: int, warm: int, window: "Window",
                profiler: Optional[RunProfiler]) -> None:

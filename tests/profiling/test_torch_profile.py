@@ -65,6 +65,8 @@ def test_markdown_shortens_long_names_and_escapes_pipes():
     assert text.startswith("## x")
     assert "k" * 200 not in text and "..." in text
     assert "a\\|b" in text
+    split = GpuTimeSplit(10.0, 8.0, 3.0, 1.0, 1.0)
+    assert kernel_markdown(rows, True, 1, split=split).endswith(f"\n\n{split}.\n")
 
 
 def test_bad_schedule_is_rejected(tmp_path):

@@ -237,6 +237,14 @@ def test_a_window_that_changes_no_layer_is_said():
         "warning: --window 128 is not shorter than --context-length 128: the local layers see their whole context"]
 
 
+def test_profile_steps_without_a_profile_directory_is_said(tmp_path):
+    asked = config(run={"profile_steps": 5})
+    assert resolve(asked, frozenset({"profile_steps"})).warnings == [
+        "warning: --profile-steps 5 records nothing without --profile DIR"]
+    assert resolve(config(run={"profile_steps": 5, "profile": str(tmp_path)}), frozenset({"profile_steps"})
+                   ).warnings == []
+
+
 # ------------------------------------------------------------------------------------------------ overlap
 
 

@@ -11,7 +11,8 @@ from training.parallel.distributed import DistContext
 
 DDP_BUCKET_MB = 100
 # The only buffers are RoPE's tables, computed alike on every rank: DDP's broadcast of them before each forward
-# copied them for nothing (2.9 ms a step of `large`). torch 2.13 renamed the switch.
+# copied them for nothing (2.9 ms a step of `large`). torch >= 2.13 deprecates broadcast_buffers for
+# forward_sync_buffers (which still syncs the buffers once, at construction).
 _NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
                    else {"broadcast_buffers": False})

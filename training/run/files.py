@@ -34,6 +34,21 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def move_into_place(tmp: Path, path: Path) -> None:
+    """Fsync `tmp` (a temporary file another writer filled, e.g. torch.profiler), rename it to `path`, and make the
+    rename durable; on an error `tmp` is removed and `path` untouched."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Call write(f) on a temporary file, fsync it and rename it to `path`: a crash leaves the old file or the new.
 

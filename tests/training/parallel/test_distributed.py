@@ -1,3 +1,4 @@
+import dataclasses
 import time
 from pathlib import Path
 
@@ -120,6 +121,16 @@ def test_one_process_trains_the_model_itself():
     assert wrap_model(model, DistContext(), torch.float32) is model
     with pytest.raises(ValueError, match="unknown parallel mode 'tp'"):
         wrap_model(model, DistContext("tp"), torch.float32)
+
+
+@pytest.mark.parametrize("variant", [{}, {"n_kv_heads": 1, "window": 8, "window_pattern": "LG", "qk_norm": True}])
+def test_ddp_syncs_no_buffers_because_the_only_ones_are_ropes_tables(variant):
+    """wrap_model turns DDP's buffer sync off: right while every buffer is computed alike on every rank."""
+    model = TransformerLM(dataclasses.replace(TINY, **variant), ATTN)
+    assert {name.rsplit(".", 1)[-1] for name, _ in model.named_buffers()} == {"cos", "sin"}
+    with single_rank_group("ddp") as ctx:
+        ddp = wrap_model(model, ctx, torch.float32)
+    assert not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True))
 
 
 def _collectives(rank: int, marker: str) -> int:
