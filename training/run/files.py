@@ -58,12 +58,10 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     try:
         with open(tmp, "xb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+        raise
+    move_into_place(tmp, path)
 
 
 def remove_leftovers(directory: Path) -> list[tuple[Path, int]]:
