@@ -6,17 +6,17 @@ flash's GB/s over the copy's is how near the memory bound it runs. SDPA gets the
 and enable_gqa for GQA; a kernel that refuses a point shows "-".
 
     python scripts/decode_bench.py                               # B1/B4/B32 x three head shapes x 2k/16k/64k
-    python scripts/decode_bench.py --batches 1,4 --caches 16384
-    python scripts/decode_bench.py --sweep                       # batch-1 launch settings, the best first
+    python scripts/decode_bench.py --batches 1,4 --caches 16384 --head-shapes 32x8x128,8x2x256
+    python scripts/decode_bench.py --sweep                       # tiles and split counts at the same points
 
---sweep times flash's decode replayed from a CUDA graph at a few batch-1 points over a small grid of its launch
-settings (attention/flash/decode/host.py: programs per SM, keys per tile, warps, pipeline stages), each against the
-copy bandwidth, and prints the fastest per point beside the current settings.
+--sweep times flash's decode replayed from a CUDA graph at every point over a grid of tiles (keys per tile, warps,
+pipeline stages) and split counts, and prints each point's default choice (attention/flash/decode/tiles.py) against
+the fastest setting and cuDNN, then per head dim how near each tile shape comes to the fastest with its best split
+count.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import math
 import os
@@ -25,6 +25,7 @@ import time
 from typing import Callable, Optional
 
 import torch
+import triton
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -32,23 +33,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from attention import get_attention, graph_replay  # noqa: E402
 from attention.flash.decode import host as decode_host  # noqa: E402
+from attention.flash.decode.tiles import DecodeTiles  # noqa: E402
 from benchmarking.decode import copy_bandwidth  # noqa: E402
 from benchmarking.timing import captured, time_ms  # noqa: E402
 
-HEAD_SHAPES = [(32, 8, 128), (32, 32, 128), (16, 16, 64)]  # (heads, kv heads, d_head)
+HEAD_SHAPES = [(32, 8, 128), (32, 32, 128), (16, 16, 64)]  # (heads, kv heads, d_head): Llama-3 8B, Llama-2 7B, GPT-2 medium
 SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION,
                 "eff": SDPBackend.EFFICIENT_ATTENTION}
 ITERS, WARMUP = 50, 5
 HOST_CALLS = 200  # eager calls timed on the host alone (fewer than the launch queue holds)
 
-SWEEP_POINTS = [(32, 8, 128, 16384), (32, 32, 128, 16384), (16, 16, 64, 65536)]  # batch 1
-SWEEP_PROGRAMS_PER_SM = (1, 2, 4)
-SWEEP_TILES = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]  # (BLOCK_N, num_warps, num_stages)
-SWEEP_KNOBS = ("PROGRAMS_PER_SM", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")
+SWEEP_TILES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
+               (128, 4, 4)]  # (keys per tile, warps, pipeline stages)
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
+
+
+def _head_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
+    if any(len(shape) != 3 or shape[0] % shape[1] for shape in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: each shape is HxKVxD with H a multiple of KV, e.g. 32x8x128")
+    return shapes
 
 
 def eager_and_graph_us(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float]:
@@ -118,84 +126,82 @@ def _ratio(row: dict, i: int) -> str:
     return "-" if row["cudnn"] is None else f"{row['cudnn'][i] / row['flash'][i]:.2f}"
 
 
-@contextlib.contextmanager
-def decode_settings(values: tuple[int, ...]):
-    """Inside: flash's decode launches with SWEEP_KNOBS set to `values` (the kept plans are dropped on the way in
-    and out, so every call resolves its launches again)."""
-    saved = tuple(getattr(decode_host, name) for name in SWEEP_KNOBS)
-    try:
-        for name, value in zip(SWEEP_KNOBS, values):
-            setattr(decode_host, name, value)
-        decode_host._plans.clear()
-        yield
-    finally:
-        for name, value in zip(SWEEP_KNOBS, saved):
-            setattr(decode_host, name, value)
-        decode_host._plans.clear()
-
-
 def graph_us(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
     with graph_replay():
         replay = captured(fn, device)
     return time_ms(replay, device, iters=ITERS, warmup=WARMUP).median_ms * 1e3
 
 
-def sweep_point(heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> dict[tuple, float]:
-    """One batch-1 point over the grid of settings: prints the current ones, then the five fastest others (diff: the
-    largest difference from the current settings' output); returns µs by settings."""
+def sweep_point(batch: int, heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> dict:
+    """One point over SWEEP_TILES x SWEEP_SPLITS, replayed from a CUDA graph: µs by (tiles, splits), with the default
+    choice's µs and cuDNN's. Every setting's output is held to the default's."""
     gen = torch.Generator(device).manual_seed(0)
-    q = torch.randn(1, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(1, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
-    cache_len = torch.full((1,), cache, device=device)
+    cache_len = torch.full((batch,), cache, device=device)
     decode = get_attention("flash").decode
-    current = tuple(getattr(decode_host, name) for name in SWEEP_KNOBS)
-    expected = decode(q, k, v, cache_len)
-    copy = copy_bandwidth(device, k.nbytes + v.nbytes) / 1e9
-    timed = {}
-    for pps, tiles in itertools.product(SWEEP_PROGRAMS_PER_SM, SWEEP_TILES):
-        with decode_settings((pps, *tiles)):
-            diff = (decode(q, k, v, cache_len).float() - expected.float()).abs().max().item()
-            timed[(pps, *tiles)] = (graph_us(lambda: decode(q, k, v, cache_len), device), diff)
-    if current not in timed:
-        timed[current] = (graph_us(lambda: decode(q, k, v, cache_len), device), 0.0)
-    print(f"B1 H{heads} KV{kv_heads} D{d} cache {cache}: copy {copy:.0f} GB/s", flush=True)
-    best = [c for c in sorted(timed, key=lambda c: timed[c][0]) if c != current][:5]
-    for values in [current] + best:
-        us, diff = timed[values]
-        gbs = (k.nbytes + v.nbytes) / (us * 1e-6) / 1e9
-        label = "current" if values == current else "       "
-        knobs = " ".join(f"{name}={value}" for name, value in zip(SWEEP_KNOBS, values))
-        print(f"  {label} {knobs:<58} {us:>7.1f} µs {gbs / copy:>5.0%} of copy  diff {diff:.1e}", flush=True)
-    return {values: us for values, (us, _) in timed.items()}
+    expected = decode(q, k, v, cache_len).float()
+    cudnn = sdpa_call(SDPA_KERNELS["cudnn"], q, k, v)
+    row = {"cudnn": None if cudnn is None else graph_us(cudnn, device),
+           "default": graph_us(lambda: decode(q, k, v, cache_len), device), "timed": {}}
+    for (block_n, warps, stages), splits in itertools.product(SWEEP_TILES, SWEEP_SPLITS):
+        if splits * block_n > cache:  # some chunks would be empty
+            continue
+        tiles = DecodeTiles(block_n, warps, stages, 1)
+
+        def run() -> torch.Tensor:
+            return decode_host.decode_triton(q, k, v, cache_len, d ** -0.5, num_splits=splits, tiles=tiles)
+
+        try:
+            torch.testing.assert_close(run().float(), expected, atol=2e-2, rtol=2e-2)
+        except triton.runtime.errors.OutOfResources:  # e.g. 128-key tiles of d 256 in three stages
+            continue
+        row["timed"][(block_n, warps, stages), splits] = graph_us(run, device)
+    return row
 
 
-def sweep(device: torch.device) -> None:
+def sweep(batches: list[int], head_shapes: list[tuple[int, int, int]], caches: list[int],
+          device: torch.device) -> None:
+    """Prints each point's default against its fastest setting, then per head dim how near the default choice and
+    each tile shape with its best split count come to the fastest."""
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; flash decode replayed from a CUDA "
-          f"graph, bf16, batch 1")
-    points = []
-    for heads, kv_heads, d, cache in SWEEP_POINTS:
-        points.append(sweep_point(heads, kv_heads, d, cache, device))
+          "graph, bf16, one new token, µs; tiles = (keys per tile, warps, stages)")
+    near: dict[tuple, list[float]] = {}  # (d, tiles) -> each point's best time with those tiles over the fastest
+    for batch, (heads, kv_heads, d), cache in itertools.product(batches, head_shapes, caches):
+        row = sweep_point(batch, heads, kv_heads, d, cache, device)
+        fastest = min(row["timed"], key=row["timed"].get)
+        best_us = row["timed"][fastest]
+        cudnn = "refused" if row["cudnn"] is None else (
+            f"{row['cudnn']:.1f} (cuDNN / default {row['cudnn'] / row['default']:.2f})")
+        print(f"B{batch} H{heads} KV{kv_heads} D{d} cache {cache}: default {row['default']:.1f} "
+              f"({row['default'] / best_us:.2f}x the fastest), fastest {best_us:.1f} tiles {fastest[0]} splits "
+              f"{fastest[1]}, cuDNN {cudnn}", flush=True)
+        near.setdefault((d, "default"), []).append(row["default"] / best_us)
+        for tiles in SWEEP_TILES:
+            times = [us for (t, _), us in row["timed"].items() if t == tiles]
+            if times:  # none where the tiles do not fit
+                near.setdefault((d, tiles), []).append(min(times) / best_us)
         torch.cuda.empty_cache()
-    # Over all points: the geometric mean of each setting's time over the fastest time at that point.
-    common = set.intersection(*(set(p) for p in points))
-    score = {c: math.prod(p[c] / min(p.values()) for p in points) ** (1 / len(points)) for c in common}
-    for values in sorted(score, key=score.get)[:5]:
-        knobs = " ".join(f"{name}={value}" for name, value in zip(SWEEP_KNOBS, values))
-        print(f"overall {knobs:<58} {score[values]:.3f}x the fastest at each point", flush=True)
+    for (d, tiles), ratios in sorted(near.items(), key=str):
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        label = "the default choice" if tiles == "default" else f"tiles {tiles}, best split count"
+        print(f"d {d} {label}: {geo:.3f}x the fastest (geometric mean), worst {max(ratios):.3f}x")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=_ints, default=[1, 4, 32])
     p.add_argument("--caches", type=_ints, default=[2048, 16384, 65536])
-    p.add_argument("--sweep", action="store_true", help="time flash's batch-1 launch settings instead")
+    p.add_argument("--head-shapes", type=_head_shapes, default=HEAD_SHAPES, metavar="HxKVxD,...",
+                   help="query heads x cache heads x head dim, e.g. 32x8x128")
+    p.add_argument("--sweep", action="store_true", help="time flash's tiles and split counts at the points instead")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     device = torch.device("cuda")
     if args.sweep:
-        sweep(device)
+        sweep(args.batches, args.head_shapes, args.caches, device)
         return
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; µs eager / µs graph-replayed; "
           "ratio = cuDNN / flash; GB/s of K+V read by flash (graph) and by a copy of that size; host = µs of host "
@@ -205,7 +211,7 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for batch in args.batches:
-        for heads, kv_heads, d in HEAD_SHAPES:
+        for heads, kv_heads, d in args.head_shapes:
             for cache in args.caches:
                 row = point(batch, heads, kv_heads, d, cache, device)
                 cells = [f"{_us(row[n], 0):>6}/{_us(row[n], 1):<6}" for n in ("flash", "cudnn", "fa2", "eff")]

@@ -27,14 +27,11 @@ import torch
 from attention.decode import CacheLen, capped, lengths, repeat_kv, visible
 from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
 from attention.flash.dispatch import _keep
+from attention.flash.decode.tiles import MAX_SPLITS, DecodeTiles, default_num_splits, tiles_for
 from attention.flash.triton.host import Launch, _block_d, _cdiv, _run, plannable
 from attention.registry import register_decode
 
-BLOCK_N = 128  # keys per tile, in both versions
-MAX_SPLITS = 128  # the combine kernel holds all of a row's chunks at once
-MIN_CHUNK = 256  # keys per chunk below which another split costs more (partials, combine) than it spreads
 MAX_BLOCK_M = 64  # query rows per program; a larger group of rows is split into blocks that each read the cache
-PROGRAMS_PER_SM = 4
 
 MIN_HEAD_DIM = 16  # the dots' smallest dimension
 MAX_HEAD_DIM = 256  # a (BLOCK_N, d_head) tile of K and of V stays in registers
@@ -43,22 +40,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_num_splits(blocks: int, keys: int, device: torch.device) -> int:
-    """Chunks per block of query rows: about PROGRAMS_PER_SM programs per SM over all `blocks`, with chunks of at
-    least MIN_CHUNK of the `keys` a block can see.
-
-    Depends only on shapes (the cache's capacity, not its filled length), so a captured decode step keeps it.
-    """
-    if device.type != "cuda":
-        return max(1, min(4, keys // MIN_CHUNK))
-    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * _sm_count(device) // blocks), keys // MIN_CHUNK))
 
 
 def row_ranges(cache_len: CacheLen, q: torch.Tensor,
@@ -70,15 +51,16 @@ def row_ranges(cache_len: CacheLen, q: torch.Tensor,
     return first, visible
 
 
-def chunk_bounds(cache_len: CacheLen, q: torch.Tensor, kv_heads: int, num_splits: int,
-                 window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_bounds(cache_len: CacheLen, q: torch.Tensor, kv_heads: int, num_splits: int, window: Optional[int] = None,
+                 block_n: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi): the key range [lo, hi) of every (cache head, chunk), shaped (..., kv_heads, num_splits): the
-    span of keys the rows of its group see, in chunks of whole tiles."""
+    span of keys the rows of its group see, in chunks of whole tiles of block_n keys (default: the kernel's)."""
+    block_n = block_n or _tiles(q).block_n
     first, visible = row_ranges(cache_len, q, window)
     by_group = first.shape[:-2] + (kv_heads, -1)  # (..., kv_heads, group * n_new)
     lo_all, hi_all = first.reshape(by_group).amin(-1), visible.reshape(by_group).amax(-1)
     chunk = (hi_all - lo_all + num_splits - 1) // num_splits
-    chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    chunk = (chunk + block_n - 1) // block_n * block_n
     lo = lo_all[..., None] + chunk[..., None] * torch.arange(num_splits, device=q.device)
     return lo, torch.minimum(lo + chunk[..., None], hi_all[..., None])
 
@@ -127,18 +109,9 @@ def _kernels():
     return kernels
 
 
-# Launch options, read at every first launch of a signature (a sweep may set them): 128-key tiles, 4 warps and 3
-# stages read the cache fastest of those tried (docs/flash.md, Decode). The interpreter takes none.
-NUM_WARPS = 4
-NUM_STAGES = 3
-COMBINE_NUM_WARPS = 4
-
-
-def _launch_options() -> tuple[dict, dict]:
-    """The partial and combine kernels' launch options."""
-    if _interpreting():
-        return {}, {}
-    return {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}, {"num_warps": COMBINE_NUM_WARPS}
+def _tiles(q: torch.Tensor) -> DecodeTiles:
+    """The tiles the partial kernel streams for q's head dim."""
+    return tiles_for(_block_d(q.shape[-1]), _interpreting())
 
 
 def _length_args(cache_len: CacheLen, q: torch.Tensor, q4: torch.Tensor) -> tuple:
@@ -182,7 +155,8 @@ _plans: dict[tuple, DecodePlan] = {}  # decode signature -> plan (capped as disp
 
 
 def _signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen, scale: float,
-               num_splits: Optional[int], window: Optional[int], softcap: Optional[float]) -> tuple:
+               num_splits: Optional[int], window: Optional[int], softcap: Optional[float],
+               tiles: Optional[DecodeTiles]) -> tuple:
     """What decides a decode call's launches: shapes, strides, dtype, device and 16-byte alignment of q and the
     caches; cache_len's shape, strides, dtype and alignment (a tensor) or value (an int); the arguments; the
     current device."""
@@ -192,22 +166,23 @@ def _signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ca
         lens = cache_len
     return (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), q.dtype,
             k_cache.dtype, v_cache.dtype, q.device, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0,
-            v_cache.data_ptr() % 16 == 0, lens, scale, num_splits, window, softcap,
+            v_cache.data_ptr() % 16 == 0, lens, scale, num_splits, window, softcap, tiles,
             torch.cuda.current_device() if q.is_cuda else None)
 
 
 def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
                   scale: float, num_splits: Optional[int] = None, window: Optional[int] = None,
-                  softcap: Optional[float] = None) -> torch.Tensor:
+                  softcap: Optional[float] = None, tiles: Optional[DecodeTiles] = None) -> torch.Tensor:
     """Split-KV decode attention with the Triton kernels; on the GPU, or on the CPU under TRITON_INTERPRET=1.
-    Eager decode steps are short: a signature seen before runs its plan (docs/flash.md, Decode)."""
+    num_splits and tiles default to tiles.py's choice for the shapes. Eager decode steps are short: a signature seen
+    before runs its plan (docs/flash.md, Decode)."""
     if torch.compiler.is_compiling():  # traced launches belong to the compiler, which keeps no plans
-        return _decode(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap, traceable=True)[0]
-    key = _signature(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap)
+        return _decode(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap, tiles, traceable=True)[0]
+    key = _signature(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap, tiles)
     plan = _plans.get(key)
     if plan is not None:
         return plan(q, k_cache, v_cache, cache_len)
-    o, plan = _decode(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap)
+    o, plan = _decode(q, k_cache, v_cache, cache_len, scale, num_splits, window, softcap, tiles)
     if plan is not None:
         _keep(_plans, key, plan)
     return o
@@ -215,7 +190,7 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen, scale: float,
             num_splits: Optional[int], window: Optional[int], softcap: Optional[float],
-            traceable: bool = False) -> tuple[torch.Tensor, Optional[DecodePlan]]:
+            tiles: Optional[DecodeTiles] = None, traceable: bool = False) -> tuple[torch.Tensor, Optional[DecodePlan]]:
     """decode_triton() by the general path: o, and the plan that repeats the call (None where there can be none:
     traced launches, more than 4 dims, or tensors on another device than the current)."""
     q4, k4, v4 = as_bhsd(q), as_bhsd(k_cache), as_bhsd(v_cache)
@@ -224,9 +199,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
     group = heads // kv_heads
     block_m = max(16, min(MAX_BLOCK_M, _block_d(group * n_new)))  # a power of two >= 16: tensor-core dots
     row_blocks = _cdiv(group * n_new, block_m)
+    tiles = tiles or _tiles(q)
     if num_splits is None:
         keys = max_len if window is None else min(max_len, window + n_new - 1)
-        num_splits = default_num_splits(batch * kv_heads * row_blocks, keys, q.device)
+        num_splits = default_num_splits(batch * kv_heads * row_blocks, keys, q.device, tiles)
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     lens, stride_lb, stride_lh, fixed_len, lens_tensor = _length_args(cache_len, q, q4)
@@ -241,19 +217,20 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
     qk_scale, cap_scale, cap_log2e = (scale * log2e, 0.0, 0.0) if softcap is None else (
         1.0, scale / softcap, softcap * log2e)
     kernels = _kernels()
-    partial_options, combine_options = _launch_options()
+    # The interpreter takes no launch options.
+    partial_options = {} if _interpreting() else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     block_d = _block_d(d)
     with on_device_of(q):
         partial = _run(kernels.decode_partial_kernel, (batch * kv_heads, num_splits, row_blocks),
                        (q4, k4, v4, lens, part, o4, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
                         stride_lb, stride_lh, fixed_len, lse_offset, kv_heads, n_new, d, num_splits, qk_scale,
                         window or 0, cap_scale, cap_log2e), 6,
-                       {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "BLOCK_D": block_d,
+                       {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_D": block_d,
                         "IEEE": q.dtype == torch.float32, "LENS_TENSOR": lens_tensor, "WINDOW": window is not None,
                         "SOFTCAP": softcap is not None, "DIRECT": direct}, partial_options, traceable)
         combine = None if direct else _run(
             kernels.decode_combine_kernel, (rows,), (part, o4, *o4.stride(), lse_offset, heads, n_new, d, num_splits),
-            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d}, combine_options, traceable)
+            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d}, {}, traceable)
     if traceable or not plannable(q, k_cache, v_cache):
         return o, None
     return o, DecodePlan(partial, combine, 0 if direct else part.numel())

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from attention.flash.decode import host
+from attention.flash.decode import host, tiles
 from attention.flash.decode.host import chunk_bounds, decode_reference_f64, decode_split_torch, decode_triton
 from tests.attention.conftest import DEVICE, dtype_id, randn
 
@@ -118,27 +118,35 @@ def test_kernel_reads_strided_queries_and_an_int_length():
 
 def test_chunks_are_whole_tiles_and_cover_the_group():
     q = torch.zeros(1, 1, 1, 8)
-    lo, hi = chunk_bounds(torch.tensor([1000]), q, 1, 3)
+    lo, hi = chunk_bounds(torch.tensor([1000]), q, 1, 3, block_n=128)
     assert lo.flatten().tolist() == [0, 384, 768] and hi.flatten().tolist() == [384, 768, 1000]
-    lo, hi = chunk_bounds(torch.tensor([1]), q, 1, 3)  # chunks past the end are empty
+    lo, hi = chunk_bounds(torch.tensor([1]), q, 1, 3, block_n=128)  # chunks past the end are empty
     assert (hi - lo).clamp(min=0).flatten().tolist() == [1, 0, 0]
     # Two cache heads of two query heads each, a length per head: a group spans its rows' keys.
-    lo, hi = chunk_bounds(torch.tensor([[100, 900, 300, 200]]), torch.zeros(1, 4, 1, 8), 2, 2, window=250)
+    lo, hi = chunk_bounds(torch.tensor([[100, 900, 300, 200]]), torch.zeros(1, 4, 1, 8), 2, 2, window=250,
+                          block_n=128)
     assert lo.tolist() == [[[0, 512], [0, 256]]] and hi.tolist() == [[[512, 900], [256, 300]]]
 
 
-def test_split_count_depends_on_shapes_only(monkeypatch):
-    """About PROGRAMS_PER_SM programs per SM over all blocks of rows, chunks of at least MIN_CHUNK keys."""
-    monkeypatch.setattr(host, "_sm_count", lambda device: 132)
+def test_split_count_fills_one_wave_from_shapes_only(monkeypatch):
+    """As many chunks as keep every program in one wave of programs_per_sm a SM, each at least one tile of keys."""
+    monkeypatch.setattr(tiles, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
-    assert host.default_num_splits(8, 65536, cuda) == 66  # batch 1, 8 cache heads
-    assert host.default_num_splits(512, 2048, cuda) == 2  # batch 32, 16 cache heads
-    assert host.default_num_splits(4096, 65536, cuda) == 1
-    assert host.default_num_splits(1, 1 << 20, cuda) == host.MAX_SPLITS
-    assert host.default_num_splits(1, 300, cuda) == 1  # two chunks would be shorter than MIN_CHUNK
+    d128, d64 = tiles.tiles_for(128), tiles.tiles_for(64)
+    assert (d128.block_n, d128.programs_per_sm, d64.block_n, d64.programs_per_sm) == (128, 1, 64, 2)
+    assert tiles.default_num_splits(8, 65536, cuda, d128) == 16  # batch 1, 8 cache heads: 128 programs
+    assert tiles.default_num_splits(32, 2048, cuda, d128) == 4
+    assert tiles.default_num_splits(40, 2048, cuda, d128) == 3  # not only powers of two
+    assert tiles.default_num_splits(16, 16384, cuda, d64) == 16  # 256 programs, two an SM
+    assert tiles.default_num_splits(512, 2048, cuda, d64) == 1  # batch 32, 16 cache heads: no combine
+    assert tiles.default_num_splits(1, 1 << 20, cuda, d128) == tiles.MAX_SPLITS
+    assert tiles.default_num_splits(8, 300, cuda, d128) == 3  # a chunk is at least a tile
+    assert tiles.default_num_splits(8, 1, cuda, d128) == 1
+    assert tiles.tiles_for(16) == tiles.tiles_for(32) == d64 and tiles.tiles_for(256).block_n == 64
 
 
-GPU_SHAPES = [(1, 32, 8, 70000, 128), (4, 32, 8, 16384, 128), (32, 16, 16, 2048, 64), (32, 32, 32, 4096, 128)]
+GPU_SHAPES = [(1, 32, 8, 70000, 128), (4, 32, 8, 16384, 128), (32, 16, 16, 2048, 64), (32, 32, 32, 4096, 128),
+              (1, 16, 16, 20000, 64), (2, 8, 2, 5000, 256), (3, 4, 4, 3000, 32)]
 
 
 @needs_cuda
