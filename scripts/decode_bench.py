@@ -25,8 +25,8 @@ import time
 from typing import Callable, Optional
 
 import torch
-import triton
 import torch.nn.functional as F
+import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
@@ -37,7 +37,8 @@ from attention.flash.decode.tiles import DecodeTiles  # noqa: E402
 from benchmarking.decode import copy_bandwidth  # noqa: E402
 from benchmarking.timing import captured, time_ms  # noqa: E402
 
-HEAD_SHAPES = [(32, 8, 128), (32, 32, 128), (16, 16, 64)]  # (heads, kv heads, d_head): Llama-3 8B, Llama-2 7B, GPT-2 medium
+# (heads, kv heads, d_head): Llama-3 8B's, Llama-2 7B's, GPT-2 medium's
+HEAD_SHAPES = [(32, 8, 128), (32, 32, 128), (16, 16, 64)]
 SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION,
                 "eff": SDPBackend.EFFICIENT_ATTENTION}
 ITERS, WARMUP = 50, 5
@@ -54,7 +55,7 @@ def _ints(text: str) -> list[int]:
 
 def _head_shapes(text: str) -> list[tuple[int, int, int]]:
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
-    if any(len(shape) != 3 or shape[0] % shape[1] for shape in shapes):
+    if any(len(shape) != 3 or min(shape) < 1 or shape[0] % shape[1] for shape in shapes):
         raise argparse.ArgumentTypeError(f"{text!r}: each shape is HxKVxD with H a multiple of KV, e.g. 32x8x128")
     return shapes
 
@@ -145,8 +146,9 @@ def sweep_point(batch: int, heads: int, kv_heads: int, d: int, cache: int, devic
     cudnn = sdpa_call(SDPA_KERNELS["cudnn"], q, k, v)
     row = {"cudnn": None if cudnn is None else graph_us(cudnn, device),
            "default": graph_us(lambda: decode(q, k, v, cache_len), device), "timed": {}}
+    too_big = set()  # tiles that do not fit the GPU at this head dim
     for (block_n, warps, stages), splits in itertools.product(SWEEP_TILES, SWEEP_SPLITS):
-        if splits * block_n > cache:  # some chunks would be empty
+        if splits * block_n > cache or (block_n, warps, stages) in too_big:  # more chunks than tiles of keys
             continue
         tiles = DecodeTiles(block_n, warps, stages, 1)
 
@@ -156,6 +158,7 @@ def sweep_point(batch: int, heads: int, kv_heads: int, d: int, cache: int, devic
         try:
             torch.testing.assert_close(run().float(), expected, atol=2e-2, rtol=2e-2)
         except triton.runtime.errors.OutOfResources:  # e.g. 128-key tiles of d 256 in three stages
+            too_big.add((block_n, warps, stages))
             continue
         row["timed"][(block_n, warps, stages), splits] = graph_us(run, device)
     return row
@@ -170,6 +173,9 @@ def sweep(batches: list[int], head_shapes: list[tuple[int, int, int]], caches: l
     near: dict[tuple, list[float]] = {}  # (d, tiles) -> each point's best time with those tiles over the fastest
     for batch, (heads, kv_heads, d), cache in itertools.product(batches, head_shapes, caches):
         row = sweep_point(batch, heads, kv_heads, d, cache, device)
+        if not row["timed"]:
+            print(f"B{batch} H{heads} KV{kv_heads} D{d} cache {cache}: no setting of the grid runs here", flush=True)
+            continue
         fastest = min(row["timed"], key=row["timed"].get)
         best_us = row["timed"][fastest]
         cudnn = "refused" if row["cudnn"] is None else (
@@ -183,7 +189,7 @@ def sweep(batches: list[int], head_shapes: list[tuple[int, int, int]], caches: l
             if times:  # none where the tiles do not fit
                 near.setdefault((d, tiles), []).append(min(times) / best_us)
         torch.cuda.empty_cache()
-    for (d, tiles), ratios in sorted(near.items(), key=str):
+    for (d, tiles), ratios in sorted(near.items(), key=lambda item: (item[0][0], str(item[0][1]))):
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
         label = "the default choice" if tiles == "default" else f"tiles {tiles}, best split count"
         print(f"d {d} {label}: {geo:.3f}x the fastest (geometric mean), worst {max(ratios):.3f}x")

@@ -67,13 +67,14 @@ def chunk_bounds(cache_len: CacheLen, q: torch.Tensor, kv_heads: int, num_splits
 
 def decode_split_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: CacheLen,
                        scale: float, num_splits: int = 4, window: Optional[int] = None,
-                       softcap: Optional[float] = None) -> torch.Tensor:
-    """Split-KV decode attention in plain PyTorch, chunk by chunk: what the Triton kernels compute (they further
-    divide a group of more than MAX_BLOCK_M rows into blocks, each chunked alike)."""
+                       softcap: Optional[float] = None, block_n: Optional[int] = None) -> torch.Tensor:
+    """Split-KV decode attention in plain PyTorch, chunk by chunk: what the Triton kernels compute with tiles of
+    block_n keys (default: theirs for q; they further divide a group of more than MAX_BLOCK_M rows into blocks, each
+    chunked alike)."""
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     max_len, group = k_cache.shape[-2], q.shape[-3] // k_cache.shape[-3]
     lo, hi = (t.repeat_interleave(group, dim=-2)[..., None, :]  # (..., heads, 1, num_splits)
-              for t in chunk_bounds(cache_len, q, k_cache.shape[-3], num_splits, window))
+              for t in chunk_bounds(cache_len, q, k_cache.shape[-3], num_splits, window, block_n))
     first, visible = row_ranges(cache_len, q, window)
     k_cache, v_cache = repeat_kv(k_cache, q), repeat_kv(v_cache, q)
     scores = torch.matmul(q.to(acc_dtype), k_cache.to(acc_dtype).transpose(-2, -1)) * scale  # (..., n_new, max_len)
@@ -110,8 +111,8 @@ def _kernels():
 
 
 def _tiles(q: torch.Tensor) -> DecodeTiles:
-    """The tiles the partial kernel streams for q's head dim."""
-    return tiles_for(_block_d(q.shape[-1]), _interpreting())
+    """The tiles the partial kernel streams for q's head dim and dtype (the caches'; the registry checks they match)."""
+    return tiles_for(_block_d(q.shape[-1]), q.element_size(), _interpreting())
 
 
 def _length_args(cache_len: CacheLen, q: torch.Tensor, q4: torch.Tensor) -> tuple:

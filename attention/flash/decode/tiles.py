@@ -1,12 +1,13 @@
 """flash's decode tiles, and the rule that splits a cache's keys among programs (host.py launches what they say).
 
-A decode step reads the cache once, so what decides its time is how many programs read at once and how long each
-runs: a program per SM slot, one wave, each reading an equal chunk, was fastest at every point of the sweep on the
-H200 (`python scripts/decode_bench.py --sweep`; docs/flash.md, Decode).
+A decode step reads the cache once; what decides its time is how many programs read at once and how long each runs.
+The split count aims at one wave: every program of the step running at once, each over an equal number of key tiles
+(`python scripts/decode_bench.py --sweep` times the alternatives; docs/flash.md, Decode).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -26,18 +27,22 @@ class DecodeTiles:
     programs_per_sm: int
 
 
-# By padded head dim, the sweep's fastest with their best split counts: 64-key tiles and two programs an SM at d 64
-# and below; 128-key tiles and one program an SM at d 128 (three stages of K and V: 192 KB of shared memory); 64-key
-# tiles and 8 warps at d 256 (the same 192 KB).
+# By padded head dim, for 16-bit caches: 64-key tiles and two programs an SM at d 64 and below, 128-key tiles and one
+# program an SM at d 128, 64-key tiles with 8 warps at d 256 (docs/flash.md, Decode).
 _TILES = {64: DecodeTiles(64, 4, 3, 2), 128: DecodeTiles(128, 4, 3, 1), 256: DecodeTiles(64, 8, 3, 1)}
-INTERPRET_TILES = DecodeTiles(128, 4, 1, 1)  # the CPU interpreter: short test caches still span several chunks
+INTERPRET_TILES = DecodeTiles(128, 4, 1, 1)  # the CPU interpreter takes no launch options; its tiles are d 128's
 
 
-def tiles_for(block_d: int, interpreting: bool = False) -> DecodeTiles:
-    """The tiles of a head dim padded to the power of two `block_d` (16 to 256)."""
+def tiles_for(block_d: int, element_bytes: int = 2, interpreting: bool = False) -> DecodeTiles:
+    """The tiles of a head dim padded to the power of two `block_d` (16 to 256), for caches of `element_bytes`."""
     if interpreting:
         return INTERPRET_TILES
-    return _TILES[max(64, block_d)]
+    if block_d > 256:
+        raise ValueError(f"flash's decode tiles go up to a head dim of 256, got a padded head dim of {block_d}")
+    tiles = _TILES[max(64, block_d)]
+    if element_bytes > 2 and block_d >= 128:  # fp32 tiles of as many keys would not fit in shared memory
+        tiles = dataclasses.replace(tiles, block_n=tiles.block_n // 2)
+    return tiles
 
 
 @functools.cache
@@ -47,11 +52,15 @@ def _sm_count(device: torch.device) -> int:
 
 def default_num_splits(blocks: int, keys: int, device: torch.device, tiles: DecodeTiles) -> int:
     """Chunks per block of query rows: as many as keep every program of the `blocks` in one wave of
-    tiles.programs_per_sm per SM, each chunk at least one tile of the `keys` a block can see, at most MAX_SPLITS.
+    tiles.programs_per_sm per SM, at most MAX_SPLITS, then as few as split the `keys` a block can see into chunks
+    of as many whole tiles each (so that none is empty).
 
     Depends only on shapes (the cache's capacity, not its filled length), so a captured decode step keeps it.
     """
-    fit = max(1, -(-keys // tiles.block_n))
+    key_tiles = max(1, -(-keys // tiles.block_n))
     if device.type != "cuda":
-        return max(1, min(4, fit))
-    return max(1, min(MAX_SPLITS, tiles.programs_per_sm * _sm_count(device) // blocks, fit))
+        wanted = 4
+    else:
+        wanted = max(1, tiles.programs_per_sm * _sm_count(device) // blocks)
+    tiles_per_chunk = -(-key_tiles // min(MAX_SPLITS, wanted, key_tiles))
+    return -(-key_tiles // tiles_per_chunk)

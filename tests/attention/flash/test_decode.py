@@ -129,7 +129,8 @@ def test_chunks_are_whole_tiles_and_cover_the_group():
 
 
 def test_split_count_fills_one_wave_from_shapes_only(monkeypatch):
-    """As many chunks as keep every program in one wave of programs_per_sm a SM, each at least one tile of keys."""
+    """As many chunks as keep every program in one wave of programs_per_sm a SM, then as few as split the keys into
+    chunks of as many whole tiles each, so none is empty."""
     monkeypatch.setattr(tiles, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     d128, d64 = tiles.tiles_for(128), tiles.tiles_for(64)
@@ -142,7 +143,44 @@ def test_split_count_fills_one_wave_from_shapes_only(monkeypatch):
     assert tiles.default_num_splits(1, 1 << 20, cuda, d128) == tiles.MAX_SPLITS
     assert tiles.default_num_splits(8, 300, cuda, d128) == 3  # a chunk is at least a tile
     assert tiles.default_num_splits(8, 1, cuda, d128) == 1
-    assert tiles.tiles_for(16) == tiles.tiles_for(32) == d64 and tiles.tiles_for(256).block_n == 64
+    # 79 tiles for 33 programs: 3 tiles a chunk, so 27 chunks, none of them empty.
+    assert tiles.default_num_splits(4, 5000, cuda, tiles.tiles_for(256)) == 27
+
+
+@pytest.mark.parametrize("keys", [1, 63, 64, 300, 5000, 70000])
+@pytest.mark.parametrize("blocks", [1, 3, 8, 40, 129, 1000])
+def test_no_chunk_is_empty_at_full_capacity(monkeypatch, blocks, keys):
+    monkeypatch.setattr(tiles, "_sm_count", lambda device: 132)
+    for d in (64, 128, 256):
+        t = tiles.tiles_for(d)
+        splits = tiles.default_num_splits(blocks, keys, torch.device("cuda", 0), t)
+        lo, hi = chunk_bounds(torch.tensor([keys]), torch.zeros(1, 1, 1, d), 1, splits, block_n=t.block_n)
+        assert 1 <= splits <= tiles.MAX_SPLITS and bool((hi > lo).all()), (d, splits, lo, hi)
+
+
+def test_tiles_by_head_dim_and_element_size():
+    """Every head dim flash decodes has tiles; fp32 halves the keys of a tile from d 128 on (shared memory)."""
+    assert tiles.tiles_for(16) == tiles.tiles_for(32) == tiles.tiles_for(64)
+    assert tiles.tiles_for(256).block_n == 64
+    assert tiles.tiles_for(128, 4).block_n == 64 and tiles.tiles_for(256, 4).block_n == 32
+    assert tiles.tiles_for(64, 4) == tiles.tiles_for(64)
+    assert tiles.tiles_for(128, 2, interpreting=True) == tiles.INTERPRET_TILES
+    with pytest.raises(ValueError, match="up to a head dim of 256"):
+        tiles.tiles_for(512)
+
+
+def test_given_tiles_run_and_get_a_plan_of_their_own():
+    """tiles= runs the kernel with other tiles (here 64 keys, as the GPU's at d 64) and is part of the signature."""
+    host._plans.clear()
+    q, k, v, cache_len = inputs(2, 4, 700, kv_heads=2, d=16, seed=29)
+    ref = reference(q, k, v, cache_len, 0.3)
+    small = tiles.DecodeTiles(64, 4, 1, 1)
+    for t in (None, small, small):
+        o = decode_triton(q, k, v, cache_len, 0.3, num_splits=5, tiles=t)
+        torch.testing.assert_close(o.double(), ref, **TOLERANCE[torch.float32])
+    assert len(host._plans) == 2
+    spec = decode_split_torch(q, k.nan_to_num(), v.nan_to_num(), cache_len, 0.3, 5, block_n=64)
+    torch.testing.assert_close(spec.double(), ref, **TOLERANCE[torch.float32])
 
 
 GPU_SHAPES = [(1, 32, 8, 70000, 128), (4, 32, 8, 16384, 128), (32, 16, 16, 2048, 64), (32, 32, 32, 4096, 128),
@@ -159,6 +197,16 @@ def test_kernel_bf16_on_gpu(batch, heads, kv_heads, length, d):
         o = decode_triton(q, k, v, cache_len, 1 / math.sqrt(d), window=window, softcap=softcap)
         ref = reference(q, k, v, cache_len, 1 / math.sqrt(d), window, softcap)
         torch.testing.assert_close(o.double(), ref, **TOLERANCE[torch.bfloat16], msg=f"window {window}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("d", [48, 80, 128, 160, 256])
+def test_every_head_dim_and_dtype_fits_on_gpu(d, dtype):
+    """The default tiles compile and run at each padded head dim in each dtype (fp32 tiles fit shared memory too)."""
+    q, k, v, cache_len = inputs(2, 4, 3000, dtype=dtype, kv_heads=2, d=d, seed=19)
+    o = decode_triton(q, k, v, cache_len, 1 / math.sqrt(d))
+    torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 1 / math.sqrt(d)), **TOLERANCE[dtype])
 
 
 @needs_cuda
