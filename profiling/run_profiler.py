@@ -8,15 +8,13 @@ capturing and the first slower steps stay out of it; a run too short for that pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from profiling.torch_profile import export_trace, gpu_time_split, kernel_markdown, kernel_table
-from training.run.files import write_atomic
+from profiling.torch_profile import write_profile
 
 SETTLE_STEPS = 10  # steps between the warm-up and the window: the first ones after it still run slower
 
@@ -65,11 +63,8 @@ class RunProfiler:
         steps, on_gpu = self.end - self.start, self.device.type == "cuda"
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            export_trace(prof, trace)
-            split = gpu_time_split(json.loads(trace.read_text())["traceEvents"], steps)
-            table = kernel_markdown(kernel_table(prof.key_averages(), on_gpu), on_gpu, steps,
-                                    title=f"steps {self.start + 1}-{self.end}, rank {self.rank}", split=split)
-            write_atomic(kernels, lambda f: f.write(table.encode()))
+            _, split = write_profile(prof, trace, kernels, on_gpu, steps,
+                                     title=f"steps {self.start + 1}-{self.end}, rank {self.rank}")
         except OSError as e:  # a full disk: the profile is lost, not the run
             self.warn(f"--profile {self.out_dir}: could not write the profile of rank {self.rank}: {e}")
             return None

@@ -160,8 +160,7 @@ def profile_steps(
     captured: dict[str, list[KernelRow]] = {}
 
     def on_ready(prof) -> None:
-        export_trace(prof, trace_path)
-        captured["rows"] = kernel_table(prof.key_averages(), on_gpu)
+        captured["rows"] = write_profile(prof, trace_path, table_path, on_gpu, active, top, title)[0]
 
     with profile(
         activities=activities,
@@ -173,11 +172,19 @@ def profile_steps(
             if on_gpu:
                 torch.cuda.synchronize(device)  # the step's kernels land in its own profiler window
             prof.step()
-    rows = captured["rows"]
-    split = gpu_time_split(json.loads(trace_path.read_text())["traceEvents"], active) if on_gpu else None
-    table = kernel_markdown(rows, on_gpu, active, top, title, split)
+    return ProfileResult(trace_path, table_path, captured["rows"], on_gpu, active)
+
+
+def write_profile(prof: profile, trace_path: Path, table_path: Path, on_gpu: bool, steps: int, top: int = 30,
+                  title: str = "") -> tuple[list[KernelRow], Optional[GpuTimeSplit]]:
+    """Write a stopped profiler's Chrome trace and its kernel table (with the split of the GPU's time on a GPU), each
+    moved into place; returns the table's rows and the split."""
+    export_trace(prof, trace_path)
+    rows = kernel_table(prof.key_averages(), on_gpu)
+    split = gpu_time_split(json.loads(trace_path.read_text())["traceEvents"], steps) if on_gpu else None
+    table = kernel_markdown(rows, on_gpu, steps, top, title, split)
     write_atomic(table_path, lambda f: f.write(table.encode()))
-    return ProfileResult(trace_path, table_path, rows, on_gpu, active)
+    return rows, split
 
 
 def export_trace(prof: profile, path: Path) -> None:
