@@ -507,3 +507,33 @@ def test_a_run_with_the_recipe_options_names_them_and_saves_them(tmp_path, text_
     assert (model["qk_norm"], model["mlp"], model["zero_init_residual"]) == (True, "relu2", True)
     assert train.main(["--resume", "--out", str(out), "--steps", "3", "--data", str(text_file),
                        "--wandb", "disabled"]) == 0
+
+
+@pytest.fixture
+def restores_determinism():
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def test_deterministic_turns_on_torchs_switch_and_is_recorded(tmp_path, text_file, capsys, restores_determinism):
+    """--deterministic: torch.use_deterministic_algorithms(True) for the run (flash's backward then runs its
+    deterministic kernels: attention.flash.dispatch.deterministic_backward), said and kept in config.json."""
+    torch.use_deterministic_algorithms(False)
+    code, rows, out = run(tmp_path, text_file, "--steps", "2", "--eval-every", "0", "--deterministic")
+    assert code == 0 and len(rows) > 0
+    assert torch.are_deterministic_algorithms_enabled()
+    assert "deterministic algorithms: bitwise-reproducible steps" in capsys.readouterr().out.splitlines()[0]
+    assert json.loads((out / "config.json").read_text())["execution"]["deterministic"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused backward runs on a GPU")
+def test_deterministic_runs_on_the_gpu_repeat_bitwise(tmp_path, text_file, restores_determinism):
+    """Two --deterministic runs with flash, graphed (the Hopper backward at every size on an sm_90 GPU), log the same
+    losses and gradient norms to the last bit."""
+    gpu = ("--device", "cuda", "--steps", "8", "--log-every", "1", "--eval-every", "0", "--dtype", "bf16",
+           "--keep-checkpoints", "0", "--no-compile", "--attn", "flash", "--deterministic")
+    runs = [run(tmp_path, text_file, *gpu, name=f"run{i}")[1] for i in range(2)]
+    assert len(runs[0]) == 8
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in runs[0]] == [r[key] for r in runs[1]], key

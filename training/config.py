@@ -68,6 +68,10 @@ class ExecutionConfig:
                                    "batch)", True, PARALLEL_MODES)
     dist_timeout: float = option(600.0, "seconds a collective waits for the other ranks before the run fails")
     device: Optional[str] = option(None, "torch device; default cuda if available, else cpu", True)
+    deterministic: bool = option(False, "bitwise-reproducible steps: torch.use_deterministic_algorithms(True), so "
+                                        "flash's backward sums each gradient row in one order and other operators "
+                                        "refuse nondeterministic kernels; off, flash's Hopper backward adds dQ with "
+                                        "atomics (faster)", True)
 
 
 @dataclass(frozen=True)
@@ -413,4 +417,6 @@ def resolve(config: Config, explicit: frozenset[str] = frozenset(), world_size: 
     _check_attention(config, device, training)
     if overlaps_backward(config, world):
         choices.append(f"{config.optim.optimizer} stepped during the backward (no clipping)")
+    if config.execution.deterministic:
+        choices.append("deterministic algorithms: bitwise-reproducible steps")
     return Resolved(config, choices, _warnings(config, explicit))

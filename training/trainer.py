@@ -34,6 +34,7 @@ from training.optim.schedule import lr_at
 from training.parallel import distributed
 from training.parallel.distributed import DistContext
 from training.parallel.wrap import free_gathered_weights
+from training.precision import use_deterministic_algorithms
 from training.progress import Progress, duration
 from training.run import directory
 from training.run.failures import RunError, StoppedAtOnce
@@ -72,6 +73,7 @@ class Trainer:
         self.say = print if self.ctx.is_main else _quiet
         self.warn = _stderr if self.ctx.is_main else _quiet
         self.out = Path(config.run.out)
+        use_deterministic_algorithms(config.execution.deterministic)
         torch.manual_seed(config.run.seed)
         with distributed.main_first(self.ctx):  # rank 0 builds the token cache, the other ranks then read it
             self.source = open_source(config.data.data, config.model.context_length, self.out.parent / ".token_cache",
