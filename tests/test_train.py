@@ -517,8 +517,7 @@ def restores_determinism():
 
 
 def test_deterministic_turns_on_torchs_switch_and_is_recorded(tmp_path, text_file, capsys, restores_determinism):
-    """--deterministic: torch.use_deterministic_algorithms(True) for the run (flash's backward then runs its
-    deterministic kernels: attention.flash.dispatch.deterministic_backward), said and kept in config.json."""
+    """--deterministic: torch.use_deterministic_algorithms(True) for the run, said and kept in config.json."""
     torch.use_deterministic_algorithms(False)
     code, rows, out = run(tmp_path, text_file, "--steps", "2", "--eval-every", "0", "--deterministic")
     assert code == 0 and len(rows) > 0
@@ -527,10 +526,10 @@ def test_deterministic_turns_on_torchs_switch_and_is_recorded(tmp_path, text_fil
     assert json.loads((out / "config.json").read_text())["execution"]["deterministic"] is True
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused backward runs on a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_deterministic_runs_on_the_gpu_repeat_bitwise(tmp_path, text_file, restores_determinism):
     """Two --deterministic runs with flash, graphed (the Hopper backward at every size on an sm_90 GPU), log the same
-    losses and gradient norms to the last bit."""
+    losses and gradient norms to the last bit: no operator of the step refused."""
     gpu = ("--device", "cuda", "--steps", "8", "--log-every", "1", "--eval-every", "0", "--dtype", "bf16",
            "--keep-checkpoints", "0", "--no-compile", "--attn", "flash", "--deterministic")
     runs = [run(tmp_path, text_file, *gpu, name=f"run{i}")[1] for i in range(2)]

@@ -69,9 +69,8 @@ class ExecutionConfig:
     dist_timeout: float = option(600.0, "seconds a collective waits for the other ranks before the run fails")
     device: Optional[str] = option(None, "torch device; default cuda if available, else cpu", True)
     deterministic: bool = option(False, "bitwise-reproducible steps: torch.use_deterministic_algorithms(True), so "
-                                        "flash's backward sums each gradient row in one order and other operators "
-                                        "refuse nondeterministic kernels; off, flash's Hopper backward adds dQ with "
-                                        "atomics (faster)", True)
+                                        "an operator without a deterministic kernel stops the run instead of "
+                                        "varying it (flash's kernels are deterministic either way)", True)
 
 
 @dataclass(frozen=True)

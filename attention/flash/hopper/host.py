@@ -14,7 +14,7 @@ import torch
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of
 from attention.flash.hopper.inputs import rows_index
 from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
-from attention.flash.triton.host import Launch, delta_and_launch, dq_from_accumulator, plannable, work_order
+from attention.flash.triton.host import Launch, delta_and_launch, plannable, work_order
 
 
 @functools.cache
@@ -167,23 +167,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-             tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS,
-             atomic_dq: bool = False) -> tuple:
+             tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS) -> tuple:
     """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted; k and v may have
     fewer heads than q (GQA). Returns the launches resolved with their descriptors: (dK/dV launch, its descriptors
-    of q, k, v, dO, dK, dV, L, delta and dQ's accumulator; dQ launch, its descriptors of q, k, v, dO, dQ) (see
-    BackwardPlan).
+    of q, k, v, dO, dK, dV, L, delta; dQ launch, its descriptors of q, k, v, dO, dQ) (see BackwardPlan).
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
-    atomic_dq: the fused backward, whose dK/dV kernel adds each tile's dQ into a zeroed fp32 accumulator (not
-    bitwise reproducible); its dQ launch is then dq_from_accumulator's, with no descriptors.
     """
     b, h, n, d = q.shape
     tiles = {**backward_tiles_for(d, n, b * h, _sm_count(q.device.index or 0)), **(tiles or {})}
-    if atomic_dq:
-        acc = dq_accumulator(q)
-        dkdv = backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks, acc)
-        return (*dkdv, dq_from_accumulator(acc, dq, scale), ())
     dkdv, dq_pass = _side_by_side(
         q.device.index or 0,
         lambda: backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks),
@@ -222,11 +214,10 @@ def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bo
 
 def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                  do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                 starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
-                 atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass;
-    atomic_dq: the fused backward (see backward)."""
-    return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends), atomic_dq)[:3]
+                 starts: Optional[torch.Tensor] = None,
+                 ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass."""
+    return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends))[:3]
 
 
 
@@ -247,14 +238,14 @@ def _(q4, k4, v4, causal, scale, window=None, starts=None, ends=None):
 @torch.library.custom_op("flash_lm::flash_attn_bwd_hopper", mutates_args=())
 def backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                 do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
-                atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                starts: Optional[torch.Tensor] = None,
+                ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """run_backward as an operator."""
-    return run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends, atomic_dq)
+    return run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends)
 
 
 @backward_op.register_fake
-def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None, atomic_dq=False):
+def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None):
     return empty_like(q4), empty_like(k4), empty_like(v4)
 
 
@@ -271,14 +262,14 @@ def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _backward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                   do: torch.Tensor, causal: bool, scale: float, masks: Masks, atomic_dq: bool) -> tuple:
+                   do: torch.Tensor, causal: bool, scale: float, masks: Masks) -> tuple:
     """(dq, dk, dv, delta, delta launch, backward()'s launches and descriptors), as _forward_call."""
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     with on_device_of(q):
         delta, delta_launch = delta_and_launch(o4, do4)
         resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
-                            masks=masks, atomic_dq=atomic_dq)
+                            masks=masks)
     return dq, dk, dv, delta, delta_launch, resolved
 
 
@@ -296,16 +287,14 @@ def _launch_pointed(launch: Launch, descs: tuple, tensors: tuple, *rest: torch.T
     alignment as the one it was made for), then released: a plan outlives its call, and must not keep the call's
     tensors alive."""
     for desc, t in zip(descs, tensors):
-        if desc is not None:
-            desc.base = t
+        desc.base = t
     launch(*descs, *rest)
     _released(descs)
 
 
 def _released(descs: tuple) -> tuple:
     for desc in descs:
-        if desc is not None:
-            desc.base = None
+        desc.base = None
     return descs
 
 
@@ -330,12 +319,12 @@ class ForwardPlan:
 
 class BackwardPlan:
     """The delta pre-pass and backward() of one input signature, resolved: `plan(q, k, v, o, lse, do, bounds)`,
-    bounds as in ForwardPlan. atomic_dq: the fused backward's (backward())."""
+    bounds as in ForwardPlan."""
 
-    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape", "atomic_dq")
+    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape")
 
-    def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...], atomic_dq: bool):
-        self.delta, self.delta_shape, self.atomic_dq = delta, delta_shape, atomic_dq
+    def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...]):
+        self.delta, self.delta_shape = delta, delta_shape
         self.dkdv, dkdv_descs, self.dq, dq_descs = resolved
         self.dkdv_descs, self.dq_descs = _released(dkdv_descs), _released(dq_descs)
 
@@ -345,11 +334,6 @@ class BackwardPlan:
         delta = empty(self.delta_shape, torch.float32, q.device)
         bounds = bounds or (lse, lse)
         self.delta(o, do, delta)
-        if self.atomic_dq:
-            acc = dq_accumulator(as_bhsd(q))
-            _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta, acc), *bounds)
-            self.dq(acc, dq)
-            return dq, dk, dv
         _side_by_side(q.device.index or 0,
                       lambda: _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta), *bounds),
                       lambda: _launch_pointed(self.dq, self.dq_descs, (q, k, v, do, dq), lse, delta, *bounds))
@@ -368,13 +352,13 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                      do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                     bounds: Optional[tuple] = None, atomic_dq: bool = False) -> tuple:
+                     bounds: Optional[tuple] = None) -> tuple:
     """(dq, dk, dv, plan) of inputs that backward_problem accepted, as planned_forward; lse contiguous, as the
-    forwards make it; atomic_dq: the fused backward."""
+    forwards make it."""
     masks = Masks(window, *(bounds or ()))
-    dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, masks, atomic_dq)
+    dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, masks)
     usable = plannable(q, k, v, o, do) and lse.is_contiguous()
-    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), atomic_dq) if usable else None
+    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape)) if usable else None
 
 
 @functools.cache
@@ -393,12 +377,9 @@ def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
 
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-                  t: HopperTiles, masks: Masks = NO_MASKS,
-                  dq_acc: Optional[torch.Tensor] = None) -> tuple[Launch, tuple]:
+                  t: HopperTiles, masks: Masks = NO_MASKS) -> tuple[Launch, tuple]:
     """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
-    per (batch, key/value head) and key rows, over the query tiles of its group's heads. With dq_acc (dq_accumulator's,
-    zeroed) it adds dQ^T there too (the fused backward); its descriptor is then the last of those returned, else
-    None stands in its place."""
+    per (batch, key/value head) and key rows, over the query tiles of its group's heads."""
     import triton
 
     from attention.flash.hopper.kernels import attn_bwd_dkdv_hopper
@@ -408,37 +389,12 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
     starts, ends, window = masks.arguments(lse)
     descs = (*descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
-             _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
-             None if dq_acc is None else _accumulator_descriptor(dq_acc, t.block_n))
+             _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n))
     grid = (triton.cdiv(n, t.rows), b * k.shape[1])
     args = (*descs, starts, ends, *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e),
             scale)
     meta = _meta(t, causal, h // k.shape[1], **masks.constexprs())
-    fused = dq_acc is not None
-    meta.update(ATOMIC_DQ=fused, DS_LAYOUT=_shared_layout(t.block_m, t.block_n, q.dtype) if fused else None)
-    return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
-
-
-def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
-    """The fused backward's zeroed fp32 accumulator of dQ^T for (batch, heads, seq, d) q: (batch * heads, d, seq)."""
-    b, h, n, d = q.shape
-    return torch.zeros((b * h, d, n), dtype=torch.float32, device=q.device)
-
-
-def _accumulator_descriptor(acc: torch.Tensor, block_n: int):
-    """A TMA descriptor of dq_accumulator's acc as (batch * heads * d, seq) rows, in blocks of (d, block_n)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    bh, d, n = acc.shape
-    return TensorDescriptor.from_tensor(acc.view(bh * d, n), [d, block_n], _accumulator_layout(d, block_n))
-
-
-@functools.cache
-def _accumulator_layout(d: int, block_n: int):
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([d, block_n], gl.float32)
+    return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 10, meta), descs
 
 
 def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,

@@ -18,10 +18,8 @@ logsumexp that the backward reads.
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -34,17 +32,6 @@ LN2 = gl.constexpr(0.6931471805599453)
 # Triton 3.9 renamed the TMA copies (async_load, async_store) and made the old names raise; 3.6 has only the old ones.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-
-@builtin
-def _tma_add_from_builder(tensor_desc, coord, src, _semantic=None):
-    """Adds a shared-memory tile into global memory with one TMA reduction (cp.reduce.async.bulk.tensor .add)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-# Triton 3.9 names the TMA reduction tma.async_atomic_add; 3.6 has only its builder op.
-_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_from_builder
 
 
 @gluon.jit
@@ -735,12 +722,11 @@ def attn_bwd_dq_hopper(
 
 @gluon.jit
 def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, ds, keys, key_start,
-                     key_end, first, full_lo, full_hi, per_head, window, qk_scale, dq_out, CAUSAL: gl.constexpr,
+                     key_end, first, full_lo, full_hi, per_head, window, qk_scale, CAUSAL: gl.constexpr,
                      WINDOW: gl.constexpr, DOCS: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
-                     GROUP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
-    """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs (with ATOMIC_DQ its dQ^T = K^T dS^T
-    too, added to the accumulator once retired: _add_dq).
+                     GROUP: gl.constexpr):
+    """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs.
 
     st is tile i's S^T = K Q_i^T, computed during the tile before. With NEXT, tile i+1's S^T is issued before this
     tile waits for its dK and dV matmuls, so the next tile starts on the exponentials at once: faster with a causal
@@ -754,8 +740,6 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
     dpt_tok = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)),
                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
     dk_tok = warpgroup_mma(ds, q_smem.index(prev), dk, is_async=True)
-    if ATOMIC_DQ:
-        dqt_tok = _dq_matmul(k, dq_out, i - 1, BLOCK_N, st_layout)
     # The tile's row statistics came with it (the producer's TMA): a shared-memory read, while the matmuls run.
     lse2 = lse_smem.index(slot).load(col_s) * LOG2E
     delta = delta_smem.index(slot).load(col_s)
@@ -770,11 +754,8 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
                            BLOCK_N, st_layout)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-    # dK (and dQ^T) of tile i-1 and dV of tile i may still run
-    dpt = warpgroup_mma_wait(num_outstanding=3 if ATOMIC_DQ else 2, deps=[dpt_tok])
+    dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
     dst = pt * (dpt - delta[None, :])
-    if ATOMIC_DQ:  # tile i's dS^T, for its dQ^T matmul: the other buffer than the one tile i-1's reads
-        _keep_ds(dq_out, i, dst.to(dtype))
     if NEXT and STAGES > 2:
         nxt = (i + 1) % STAGES
         mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1)
@@ -789,56 +770,7 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
         mbarrier.arrive(empty.index(prev), count=1)
         if NEXT:  # two slots: tile i+1 loads into tile i-1's slot, free only now (waiting first would deadlock)
             st = _next_scores(k, q_smem, ready, i + 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
-    if ATOMIC_DQ:
-        _add_dq(dq_out, i - 1, warpgroup_mma_wait(num_outstanding=0, deps=[dqt_tok]), first, per_head, BLOCK_N,
-                GROUP)
     return dk, dv, gl.convert_layout(dst.to(dtype), op_layout), st
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The fused backward (ATOMIC_DQ): the dK/dV program also computes each streamed query tile's share of dQ from the
-# dS^T it already has, dQ_i^T += K^T dS_i^T (transposed: a wgmma takes 64 rows at least, and d_head has them where
-# the 32-row query tiles of d 128 do not), and adds it to an fp32 (batch * heads, d, seq) accumulator with a TMA
-# reduction. Five matmuls a tile pair instead of the two kernels' seven; the sum's order varies from run to run.
-# dq_out = (dS^T buffers, dQ^T staging buffers, the consumer's first of each (two a consumer), the accumulator's
-# descriptor, its row of this program's first query head); K^T is k's permuted view.
-# ----------------------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _dq_matmul(k, dq_out, i, BLOCK_N: gl.constexpr, st_layout: gl.constexpr):
-    """Issues streamed tile i's dQ^T = K^T dS_i^T (d x BLOCK_N, fp32) from dS^T kept by _keep_ds; returns its token."""
-    ds_bufs, dqt_bufs, buf, dqt_desc, dq_row = dq_out
-    D: gl.constexpr = dqt_desc.block_type.shape[0]
-    return warpgroup_mma(k.permute((1, 0)), ds_bufs.index(buf + i % 2), gl.zeros([D, BLOCK_N], gl.float32, st_layout),
-                         use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _keep_ds(dq_out, i, dst):
-    """Stores tile i's dS^T where its dQ^T matmul reads it (two buffers: tile i-1's matmul may still read the other)."""
-    ds_bufs, dqt_bufs, buf, dqt_desc, dq_row = dq_out
-    ds_bufs.index(buf + i % 2).store(dst)
-    fence_async_shared()
-
-
-@gluon.jit
-def _add_dq(dq_out, i, dqt, first, per_head, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
-    """Adds streamed tile i's dQ^T into the accumulator: staged in shared memory, in the one of two buffers whose
-    reduction (two tiles before) has been read out, then one TMA reduction that runs on while the next tile computes."""
-    ds_bufs, dqt_bufs, buf, dqt_desc, dq_row = dq_out
-    D: gl.constexpr = dqt_desc.block_type.shape[0]
-    j = i
-    row = dq_row
-    if GROUP > 1:  # the stream takes the group's query heads in turn
-        g = i // per_head
-        j = i - g * per_head
-        row = dq_row + g * D
-    staged = dqt_bufs.index(buf + i % 2)
-    tma.store_wait(pendings=1)
-    staged.store(dqt)
-    fence_async_shared()
-    _tma_add(dqt_desc, [row, (first + j) * BLOCK_N], staged)
 
 
 @gluon.jit
@@ -852,13 +784,13 @@ def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 @gluon.jit
 def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
-               v_col, first_key, first, full_lo, full_hi, lo, hi, n_tiles, START, END, window, qk_scale, scale, dq_out,
+               v_col, first_key, first, full_lo, full_hi, lo, hi, n_tiles, START, END, window, qk_scale, scale,
                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
     """dK and dV of one consumer's BLOCK_M key rows over streamed query tiles [lo, hi) (of GROUP query heads in
-    turn, n_tiles in all; query tiles first + j of each), written out; with ATOMIC_DQ each tile's dQ^T added to the
-    accumulator too. Tiles outside [full_lo, full_hi) of a head's stream are masked; where [lo, hi) is the whole
-    stream (_dkdv_consumer), those that lie wholly outside this consumer's keys are masked to zero."""
+    turn, n_tiles in all; query tiles first + j of each), written out. Tiles outside [full_lo, full_hi) of a head's
+    stream are masked; where [lo, hi) is the whole stream (_dkdv_consumer), those that lie wholly outside this
+    consumer's keys are masked to zero."""
     dtype: gl.constexpr = dk_desc.dtype
     D: gl.constexpr = dk_desc.block_type.shape[1]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -893,8 +825,6 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
     dst = pt * (dpt - delta[None, :])
     dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
-    if ATOMIC_DQ:
-        _keep_ds(dq_out, lo, dst.to(dtype))
     ds = gl.convert_layout(dst.to(dtype), op_layout)
 
     if last > lo:
@@ -902,20 +832,16 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
         for i in range(lo + 1, last):
             dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
                                               dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head,
-                                              window, qk_scale, dq_out, CAUSAL, WINDOW, DOCS, True, BLOCK_M, BLOCK_N,
-                                              STAGES, st_layout, op_layout, GROUP, ATOMIC_DQ)
+                                              window, qk_scale, CAUSAL, WINDOW, DOCS, True, BLOCK_M, BLOCK_N, STAGES,
+                                              st_layout, op_layout, GROUP)
         dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
                                           dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head, window,
-                                          qk_scale, dq_out, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES,
-                                          st_layout, op_layout, GROUP, ATOMIC_DQ)  # the last: no S^T to issue
+                                          qk_scale, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES, st_layout,
+                                          op_layout, GROUP)  # the last: no S^T to issue
 
     dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
-    if ATOMIC_DQ:
-        dqt_tok = _dq_matmul(k, dq_out, last, BLOCK_N, st_layout)
     dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
     mbarrier.arrive(empty.index(last % STAGES), count=1)
-    if ATOMIC_DQ:
-        _add_dq(dq_out, last, warpgroup_mma_wait(num_outstanding=0, deps=[dqt_tok]), first, per_head, BLOCK_N, GROUP)
 
     # This consumer's K and V rows are dead (their last matmuls retired): they hold dK and dV on their way out.
     k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
@@ -928,14 +854,10 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                   ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale, ds_smem,
-                   dqt_smem, dqt_desc, dq_row, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   GROUP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+                   ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale,
+                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
     first_key = n0 + CONSUMER * BLOCK_M
-    dq_out = None
-    if ATOMIC_DQ:
-        dq_out = (ds_smem, dqt_smem, CONSUMER * 2, dqt_desc, dq_row)
     mbarrier.wait(res_ready, 0)
     if (WINDOW or DOCS) and GROUP == 1:
         # The program streams the query tiles any of its keys needs: this consumer gives back unread those before
@@ -948,8 +870,7 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
             _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                        delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
                        first_key, first, full_lo - first, full_hi - first, lo - first, hi - first, n_tiles, START,
-                       END, window, qk_scale, scale, dq_out, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP,
-                       ATOMIC_DQ)
+                       END, window, qk_scale, scale, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
             n_done = hi - first
         _release(ready, empty, n_done, n_tiles, STAGES)
     elif first_key < N:
@@ -960,20 +881,19 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
         _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                    delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
                    first_key, first, full_lo - first, full_hi - first, 0, n_tiles, n_tiles, START, END, window,
-                   qk_scale, scale, dq_out, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, ATOMIC_DQ)
+                   qk_scale, scale, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
     else:
         _release(ready, empty, 0, n_tiles, STAGES)
 
 
 @gluon.jit
 def attn_bwd_dkdv_hopper(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dqt_desc, START, END,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, START, END,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
     H, N, window, qk_scale, scale,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    ATOMIC_DQ: gl.constexpr = False, DS_LAYOUT: gl.constexpr = None,
 ):
     """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, key/value head), query tiles of BLOCK_N streamed.
 
@@ -982,10 +902,6 @@ def attn_bwd_dkdv_hopper(
     GROUP > 1 (GQA): the program streams the query tiles of its GROUP query heads one head after another, so its sum
     over them is one consumer's, in one order (deterministic, no atomics). The variants as in attn_fwd_hopper: the
     program streams the query tiles that see any of its keys.
-
-    ATOMIC_DQ: the fused backward (see _dq_matmul): dQ^T is added to the zeroed fp32 (batch * heads * d, seq)
-    accumulator dqt_desc describes, in blocks of (d, BLOCK_N); DS_LAYOUT is dS^T's (BLOCK_M, BLOCK_N) shared layout.
-    Otherwise dqt_desc is None.
     """
     dtype: gl.constexpr = k_desc.dtype
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -1012,12 +928,6 @@ def attn_bwd_dkdv_hopper(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], delta_desc.layout)
     res_ready, ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
-    if ATOMIC_DQ:  # two buffers a consumer of each (_keep_ds, _add_dq)
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, BLOCK_M, BLOCK_N], DS_LAYOUT)
-        dqt_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_CONSUMERS, D, BLOCK_N], dqt_desc.layout)
-    else:  # unread stand-ins
-        ds_smem, dqt_smem, dqt_desc = k_smem, k_smem, dk_desc
-    dq_row = (b * H + hq) * D
 
     k_row = b * k_rows_b + h * k_rows_h + n0
     k_col = h * k_cols_h
@@ -1030,12 +940,10 @@ def attn_bwd_dkdv_hopper(
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, ds_smem, dqt_smem, dqt_desc, dq_row, 0, CAUSAL, WINDOW,
-                              DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, ATOMIC_DQ)),
+                              window, qk_scale, scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, ds_smem, dqt_smem, dqt_desc, dq_row, 1, CAUSAL, WINDOW,
-                              DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, ATOMIC_DQ)),
+                              window, qk_scale, scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
                              GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
@@ -1046,16 +954,13 @@ def attn_bwd_dkdv_hopper(
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, ds_smem, dqt_smem, dqt_desc, dq_row, 0, CAUSAL, WINDOW,
-                              DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, ATOMIC_DQ)),
+                              window, qk_scale, scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, ds_smem, dqt_smem, dqt_desc, dq_row, 1, CAUSAL, WINDOW,
-                              DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, ATOMIC_DQ)),
+                              window, qk_scale, scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, ds_smem, dqt_smem, dqt_desc, dq_row, 2, CAUSAL, WINDOW,
-                              DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, ATOMIC_DQ)),
+                              window, qk_scale, scale, 2, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
                              GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,

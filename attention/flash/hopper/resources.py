@@ -38,10 +38,7 @@ DESCRIPTOR_ROWS = {
                  delta_desc="n"),
     "dq": dict(q_desc="m", k_desc="n", v_desc="n", do_desc="m", dq_desc="m"),
 }
-DESCRIPTOR_ROWS["fused"] = DESCRIPTOR_ROWS["dkdv"]
-# fused: the dK/dV kernel adding dQ with atomics (the backward when not deterministic)
-KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn_bwd_dq_hopper",
-           "fused": "attn_bwd_dkdv_hopper"}
+KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn_bwd_dq_hopper"}
 ARG_TYPES = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32", "START": "*i32", "END": "*i32",
              "ORDER": "*i32"}
 ROW_STATS = ("lse_desc", "delta_desc")  # 1-D fp32 descriptors over L and delta
@@ -69,14 +66,14 @@ def _descriptor_type(rows: int, d: int, row_stats: bool) -> str:
 
 
 def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, masks: str = ""):
-    """The Triton CompiledKernel of flash's `kind` ("fwd", "dkdv", "dq" or "fused") Hopper kernel for bf16 at head dim
-    d, with `masks` ("w": a window, "d": documents, "wd": both)."""
+    """The Triton CompiledKernel of flash's `kind` ("fwd", "dkdv" or "dq") Hopper kernel for bf16 at head dim d, with
+    `masks` ("w": a window, "d": documents, "wd": both)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attention.flash.hopper import kernels as hopper_kernels
-    from attention.flash.hopper.host import _accumulator_layout, _meta
+    from attention.flash.hopper.host import _meta
 
     if kind not in KERNELS:
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
@@ -84,10 +81,6 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
     meta = _meta(tiles, causal, window="w" in masks, docs="d" in masks)
     if kind == "fwd":
         meta["PERSISTENT"] = tiles.persistent
-    if kind == "dkdv":
-        meta.update(dqt_desc=None, ATOMIC_DQ=False, DS_LAYOUT=None)
-    if kind == "fused":
-        meta.update(ATOMIC_DQ=True, DS_LAYOUT=_shared_layout(tiles.block_m, tiles.block_n, torch.bfloat16))
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}
@@ -96,8 +89,6 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
             signature[name] = "constexpr"
         elif name in DESCRIPTOR_ROWS[kind]:
             signature[name] = _descriptor_type(rows[DESCRIPTOR_ROWS[kind][name]], d, name in ROW_STATS)
-        elif name == "dqt_desc":
-            signature[name] = f"tensordesc<fp32[{d}, {tiles.block_n}],{_accumulator_layout(d, tiles.block_n)!r}>"
         else:
             signature[name] = ARG_TYPES.get(name, "i32")
             if signature[name] != "fp32" and name != "window":

@@ -358,8 +358,7 @@ def _streamed_tiles(items, ITEMS, N, window, START, END, CAUSAL: tl.constexpr, W
 
 # ----------------------------------------------------------------------------------------------------------
 # Backward: dQ (program per query tile; it writes delta), then dK/dV (program per key tile). No atomics. The delta
-# pre-pass is the Hopper backward's, whose dK/dV and dQ kernels run side by side; dq_from_accumulator ends its fused
-# mode.
+# pre-pass is the Hopper backward's, whose dK/dV and dQ kernels run side by side.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -385,28 +384,6 @@ def attn_bwd_delta(
                     offs_m, N_Q, offs_d, D, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
-
-
-@triton.jit
-def dq_from_accumulator(
-    ACC, DQ,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    H, N_Q, scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dQ = scale * ACC^T in dQ's dtype and memory order, ACC the fused Hopper backward's fp32 (batch * heads, D, N_Q)
-    accumulator of dQ^T: each side is read or written along its contiguous dim, the transpose done on chip."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    rows = offs_m < N_Q
-    acc = tl.load(ACC + bh.to(tl.int64) * D * N_Q + offs_d[:, None] * N_Q + offs_m[None, :], mask=rows[None, :])
-    dq = tl.trans(acc * scale)
-    dq_rows = DQ + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
-    tl.store(dq_rows + offs_d[None, :] * stride_qd, dq.to(DQ.dtype.element_ty), mask=rows[:, None])
 
 
 @triton.jit

@@ -16,7 +16,6 @@ import torch
 import attention
 from attention import UnsupportedInputError, flash_kernels, get_attention, use_kernels
 from attention.flash import KernelChoice, dispatch, flash_backward, flash_forward
-from attention.flash.dispatch import DETERMINISTIC, FUSED, deterministic_backward
 from attention.flash.hopper import host as hopper, inputs as hopper_inputs
 from attention.flash.triton import host as flash_triton
 from tests.attention.conftest import random_doc_ids, randn
@@ -63,26 +62,8 @@ def test_cpu_tensors_run_the_triton_kernels(shape):
     (LONG, torch.float32, "triton", "triton: the Hopper kernels take float16 and bfloat16, not torch.float32"),
 ], ids=["short", "long", "seq1000", "fp32"])
 def test_choice_for_an_sm90_gpu(shape, dtype, kernel, reason):
-    choice = flash_kernels(*qkv(*shape, dtype=dtype), causal=True, capability=SM90, deterministic=True)
-    backward_reason = reason + ("; " + DETERMINISTIC if kernel == "hopper" else "")
-    assert choice == KernelChoice(kernel, kernel, reason, backward_reason)
-
-
-@requires_gluon
-@pytest.mark.parametrize("torch_setting, per_call, fused", [
-    (False, None, True), (True, None, False), (False, True, False), (True, False, True)])
-def test_the_hopper_backward_is_fused_unless_deterministic(torch_setting, per_call, fused):
-    """PyTorch's convention: fast unless torch.use_deterministic_algorithms(True); a call's own setting wins."""
-    saved = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(torch_setting)
-    try:
-        assert deterministic_backward(per_call) is not fused
-        choice = flash_kernels(*qkv(*LONG), causal=True, capability=SM90, deterministic=per_call)
-        short = flash_kernels(*qkv(*SHORT), causal=True, capability=SM90, deterministic=per_call)
-    finally:
-        torch.use_deterministic_algorithms(saved)
-    assert choice.backward_reason.endswith(FUSED if fused else DETERMINISTIC)
-    assert short.backward == "triton" and "atomics" not in short.backward_reason  # always deterministic
+    choice = flash_kernels(*qkv(*shape, dtype=dtype), causal=True, capability=SM90)
+    assert choice == KernelChoice(kernel, kernel, reason, reason)
 
 
 def test_other_gpus_run_the_triton_kernels():
@@ -159,8 +140,8 @@ def test_long_causal_bf16_runs_the_hopper_kernels_on_sm90(monkeypatch):
                             or _real(*a, **kw))
     q, k, v = (torch.randn(*LONG, dtype=torch.bfloat16, device="cuda").requires_grad_() for _ in range(3))
     choice = flash_kernels(q, k, v, causal=True)
-    long_reason = "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)"
-    assert choice == KernelChoice("hopper", "hopper", long_reason, f"{long_reason}; {FUSED}")
+    assert choice == KernelChoice("hopper", "hopper", "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)",
+                                  "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)")
     o = get_attention("flash")(q, k, v, causal=True)
     # A dense upstream gradient: .sum() would hand the backward a stride-0 dO, which the Hopper kernels refuse.
     o.backward(torch.randn_like(o))

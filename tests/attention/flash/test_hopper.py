@@ -215,10 +215,8 @@ def _tiles_id(tiles):
     return "-".join(f"{k}c{t.consumers}n{t.block_n}s{t.stages}" for k, t in tiles.items())
 
 
-def _backward_smem(t: HopperTiles, d: int, atomic_dq: bool = False) -> int:
-    # two resident and two streamed bf16 tiles; fused, two dS^T and two fp32 dQ^T tiles a consumer
-    fused = 2 * t.consumers * (t.block_m * 2 + d * 4) * t.block_n if atomic_dq else 0
-    return (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 + fused
+def _backward_smem(t: HopperTiles, d: int) -> int:
+    return (2 * t.rows + 2 * t.stages * t.block_n) * d * 2  # two resident and two streamed bf16 tiles
 
 
 def gradients_reference(q, k, v, do, causal, scale):
@@ -235,10 +233,9 @@ def gradients_reference(q, k, v, do, causal, scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("b, h, n, d", [(1, 2, 128, 64), (2, 3, 384, 64), (1, 2, 640, 128), (1, 1, 1024, 64)],
                          ids=str)
-@pytest.mark.parametrize("atomic_dq", [False, True], ids=["deterministic", "fused"])
-def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d, atomic_dq):
-    if any(_backward_smem(t, d, atomic_dq and kind == "dkdv") > 227 * 1024 for kind, t in tiles.items()):
-        pytest.skip("these tiles take more shared memory than an SM has")
+def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
+    if any(_backward_smem(t, d) > 227 * 1024 for t in tiles.values()):
+        pytest.skip("these tiles take more shared memory than an SM has at d 128")
     q, k, v = make_qkv(b, h, n, d, dtype, layout, seed=n + d)
     other = "bhsd" if layout == "bshd" else "bshd"  # dO arrives in its own memory order
     do = make_qkv(b, h, n, d, dtype, other, seed=7 * n)[0]
@@ -248,7 +245,7 @@ def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d, atom
     lse = lse64.to(DEVICE, torch.float32).contiguous()
     delta = (do.float() * o.float()).sum(-1).contiguous()
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # every element must be written
-    hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles, atomic_dq=atomic_dq)
+    hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles)
     for name, got, want, like in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, (q, k, v)):
         assert got.stride() == like.stride(), name
         assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
@@ -260,12 +257,10 @@ def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d, atom
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("h, h_kv", [(4, 2), (6, 2), (4, 1)], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("atomic_dq", [False, True], ids=["deterministic", "fused"])
-def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d, atomic_dq):
-    """dK and dV of a key/value head sum its group's query heads (one program streams them in turn); fused, each
-    query head's dQ gets the adds of every key tile of its key/value head."""
-    if any(_backward_smem(t, d, atomic_dq and kind == "dkdv") > 227 * 1024 for kind, t in tiles.items()):
-        pytest.skip("these tiles take more shared memory than an SM has")
+def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d):
+    """dK and dV of a key/value head sum its group's query heads (one program streams them in turn)."""
+    if any(_backward_smem(t, d) > 227 * 1024 for t in tiles.values()):
+        pytest.skip("these tiles take more shared memory than an SM has at d 128")
     b, n, dtype = 2, 384, torch.bfloat16
     q = make_qkv(b, h, n, d, dtype, layout, seed=d)[0]
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=d + 7)[:2]
@@ -279,13 +274,12 @@ def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d, atomic_
     lse = lse64.detach().to(DEVICE, torch.float32).contiguous()
     delta = (do.float() * o.float()).sum(-1).contiguous()
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # every element must be written
-    hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles, atomic_dq=atomic_dq)
+    hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64):
         assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
-    if not atomic_dq:
-        again = [torch.empty_like(t) for t in (q, k, v)]
-        hopper.backward(q, k, v, do, lse, delta, *again, causal, scale, tiles)
-        assert all(torch.equal(a, g) for a, g in zip(again, (dq, dk, dv)))  # deterministic
+    again = [torch.empty_like(t) for t in (q, k, v)]
+    hopper.backward(q, k, v, do, lse, delta, *again, causal, scale, tiles)
+    assert all(torch.equal(a, g) for a, g in zip(again, (dq, dk, dv)))  # deterministic
 
 
 @requires_hopper
@@ -297,51 +291,40 @@ def test_flash_backward_runs_it_unless_triton_is_asked_for(monkeypatch):
     q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bshd", seed=3)
     do = randn(2, 4, 512, 64, seed=4, dtype=torch.bfloat16)
     o, lse = flash_forward(q, k, v, True, 0.125)
-    hopper_grads = flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=True)
+    hopper_grads = flash_backward(q, k, v, o, lse, do, True, 0.125)
     assert calls == [1]
     with use_kernels("triton"):
         triton_grads = flash_backward(q, k, v, o, lse, do, True, 0.125)
     assert calls == [1]
-    fused_grads = flash_backward(q, k, v, o, lse, do, True, 0.125)  # fused: torch's deterministic switch is off
-    assert calls == [1, 1]
-    for got, fused, want in zip(hopper_grads, fused_grads, triton_grads):
-        assert got.stride() == fused.stride() == want.stride()
+    for got, want in zip(hopper_grads, triton_grads):
+        assert got.stride() == want.stride()
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(fused, want, atol=2e-2, rtol=2e-2)
-    repeat = flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=True)
-    assert calls == [1, 1, 1]
+    repeat = flash_backward(q, k, v, o, lse, do, True, 0.125)
+    assert calls == [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(repeat, hopper_grads)), "the Hopper backward is not deterministic"
 
 
 @requires_hopper
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fused"])
-def test_backward_replays_in_a_cuda_graph(monkeypatch, deterministic):
-    """Deterministic, dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager
-    result bitwise. Fused, the capture holds the accumulator's zeroing, and replays to the eager result up to the
-    order of the adds."""
+def test_backward_replays_in_a_cuda_graph(monkeypatch):
+    """dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager result."""
     monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bhsd", seed=11)
     do = randn(2, 4, 512, 64, seed=12, dtype=torch.bfloat16)
     o, lse = flash_forward(q, k, v, True, 0.125)
-    eager = flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=deterministic)
+    eager = flash_backward(q, k, v, o, lse, do, True, 0.125)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as torch.cuda.graphs asks
-        flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=deterministic)
+        flash_backward(q, k, v, o, lse, do, True, 0.125)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=deterministic)
+        captured = flash_backward(q, k, v, o, lse, do, True, 0.125)
     for t in captured:
         t.fill_(float("nan"))
-    for _ in range(2):  # the second replay adds into a zeroed accumulator again, not onto the first's sums
-        graph.replay()
+    graph.replay()
     torch.cuda.synchronize()
-    if deterministic:
-        assert all(torch.equal(a, b) for a, b in zip(captured, eager))
-    else:
-        for a, b in zip(captured, eager):
-            torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
 
 
 @requires_hopper
@@ -486,13 +469,6 @@ def test_masked_forward_and_backward_match_float64(case, h, h_kv, d, tiles):
     again = [torch.empty_like(t) for t in (q, k, v)]
     hopper.backward(q, k, v, do, lse_in, delta, *again, causal, scale, bwd_tiles, masks)
     assert all(torch.equal(a, g) for a, g in zip(again, grads))  # deterministic
-    fused = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    hopper.backward(q, k, v, do, lse_in, delta, *fused, causal, scale, bwd_tiles, masks, atomic_dq=True)
-    for name, got, want in zip(("dq", "dk", "dv"), fused, grads64):
-        if want.norm() == 0:
-            assert got.abs().max().item() < 1e-5, name
-        else:
-            assert rel(got, want) <= TOLERANCE[dtype], ("fused", name, rel(got, want))
 
 
 @requires_hopper
@@ -547,19 +523,9 @@ def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, com
         assert rel(got, want) <= 2e-2, name
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) (only warnings from other operators): flash's backward is then bitwise
-    reproducible, so a plan's gradients can be compared bitwise."""
-    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-
-
 @requires_hopper
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout, deterministic_algorithms):
+def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout):
     """The second eager call of a signature the Hopper kernels run launches the resolved kernels with the first
     call's descriptors pointed at its tensors, and gives bitwise what the general path gives."""
     from attention.flash import dispatch
@@ -589,7 +555,7 @@ def test_a_signature_seen_before_runs_its_hopper_plan(monkeypatch, layout, deter
 
 
 @requires_hopper
-def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatch, deterministic_algorithms):
+def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatch):
     """With documents, the second call of a signature runs its plans (at this size the Triton forward's, the Hopper
     backward's) with its own documents' bounds, and gives bitwise what the general path gives for those documents."""
     from attention.flash import dispatch

@@ -354,20 +354,3 @@ def test_work_order_ranks_items_by_the_key_tiles_they_stream(b, n, rows, tile, c
             costs.append(max(seen) // tile - min(seen) // tile + 1)
     want = sorted(range(len(costs)), key=lambda item: (-costs[item], item))
     assert order.dtype == torch.int32 and order.tolist() == want
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize("b, h, n, d", [(1, 1, 64, 64), (2, 3, 100, 64), (1, 2, 130, 128)], ids=str)
-def test_dq_from_accumulator_transposes_scales_and_casts(dtype, layout, b, h, n, d):
-    """The fused Hopper backward's last step: dQ = scale * acc^T from its fp32 (batch * heads, d, seq) accumulator,
-    written in dQ's dtype and memory order, every element (rows past a whole tile too)."""
-    acc = randn(b * h, d, n, seed=n + d, device=DEVICE)
-    dq = torch.full((b, n, h, d) if layout == "bshd" else (b, h, n, d), float("nan"), dtype=dtype, device=DEVICE)
-    dq4 = dq.transpose(1, 2) if layout == "bshd" else dq
-    launch = flash_triton.dq_from_accumulator(acc, dq4, 0.125)
-    want = (acc.double().reshape(b, h, d, n).transpose(-1, -2) * 0.125).to(dtype)
-    assert torch.equal(dq4, want)
-    dq4.fill_(float("nan"))
-    launch(acc, dq4)  # the plan's launch again: the same result
-    assert torch.equal(dq4, want)
