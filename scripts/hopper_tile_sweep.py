@@ -19,6 +19,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from attention.flash.common import sm_count  # noqa: E402
 from attention.flash.hopper import host as hopper  # noqa: E402
 from attention.flash.triton import host as ft  # noqa: E402  (the delta pre-pass the Hopper backward reads)
 from attention.flash.hopper.inputs import gluon_problem  # noqa: E402
@@ -80,7 +81,7 @@ def sweep(kernels: list[str], shapes: list[tuple], rounds: int) -> list[tuple]:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale)
             dk_ref, dv_ref = dk.clone(), dv.clone()
-            dq_tiles = backward_tiles_for(D, n, b * h, hopper._sm_count(0))["dq"]
+            dq_tiles = backward_tiles_for(D, n, b * h, sm_count(0))["dq"]
             add("dq alone", median_ms(lambda: hopper.backward_dq(q, k, v, do, lse, delta, dq, causal, scale,
                                                                  dq_tiles), 3), 1.5 * fwd_flop)
             for r in range(rounds):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterator, Optional
 
@@ -11,6 +12,12 @@ import torch
 from attention.masks import doc_bounds
 
 _nan_filled = False
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """The streaming multiprocessors of a CUDA device: how many programs a kernel's wave holds."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @contextlib.contextmanager

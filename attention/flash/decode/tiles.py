@@ -8,10 +8,11 @@ The split count aims at one wave: every program of the step running at once, eac
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from attention.flash.common import sm_count
 
 MAX_SPLITS = 128  # the combine kernel holds all of a row's chunks at once
 
@@ -45,11 +46,6 @@ def tiles_for(block_d: int, element_bytes: int = 2, interpreting: bool = False) 
     return tiles
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_num_splits(blocks: int, keys: int, device: torch.device, tiles: DecodeTiles) -> int:
     """Chunks per block of query rows: as many as keep every program of the `blocks` in one wave of
     tiles.programs_per_sm per SM, at most MAX_SPLITS, then as few as split the `keys` a block can see into chunks
@@ -61,6 +57,6 @@ def default_num_splits(blocks: int, keys: int, device: torch.device, tiles: Deco
     if device.type != "cuda":
         wanted = 4
     else:
-        wanted = max(1, tiles.programs_per_sm * _sm_count(device) // blocks)
+        wanted = max(1, tiles.programs_per_sm * sm_count(device.index or 0) // blocks)
     tiles_per_chunk = -(-key_tiles // min(MAX_SPLITS, wanted, key_tiles))
     return -(-key_tiles // tiles_per_chunk)

@@ -11,15 +11,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of
+from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of, sm_count
 from attention.flash.hopper.inputs import rows_index
 from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
 from attention.flash.triton.host import Launch, delta_and_launch, plannable, work_order
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
@@ -144,7 +139,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     from attention.flash.hopper.kernels import attn_fwd_hopper
 
     b, h, n, d = q.shape
-    t = tiles or tiles_for(d, n, b * h, _sm_count(q.device.index or 0), masks.window, masks.starts is not None,
+    t = tiles or tiles_for(d, n, b * h, sm_count(q.device.index or 0), masks.window, masks.starts is not None,
                            causal)
     _check_tiles(n, t)
     q_desc, q_index = _descriptor(q, t.block_m)
@@ -157,7 +152,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         item_order = ItemOrder(launch, tuple(order.shape))
     descs = (q_desc, k_desc, v_desc, _output_descriptor(o, q_index, t.block_m))
     items = (triton.cdiv(n, t.rows), b * h)
-    grid = (min(items[0] * items[1], _sm_count(q.device.index or 0)), 1) if t.persistent else items
+    grid = (min(items[0] * items[1], sm_count(q.device.index or 0)), 1) if t.persistent else items
     args = (*descs, lse, starts, ends, order, *q_index, *k_index, *v_index, h, n, b * h, window,
             scale * math.log2(math.e))
     meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), PERSISTENT=t.persistent)
@@ -175,7 +170,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
     b, h, n, d = q.shape
-    tiles = {**backward_tiles_for(d, n, b * h, _sm_count(q.device.index or 0)), **(tiles or {})}
+    tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0)), **(tiles or {})}
     dkdv, dq_pass = _side_by_side(
         q.device.index or 0,
         lambda: backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks),

@@ -131,7 +131,7 @@ def test_chunks_are_whole_tiles_and_cover_the_group():
 def test_split_count_fills_one_wave_from_shapes_only(monkeypatch):
     """As many chunks as keep every program in one wave of programs_per_sm a SM, then as few as split the keys into
     chunks of as many whole tiles each, so none is empty."""
-    monkeypatch.setattr(tiles, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tiles, "sm_count", lambda device_index: 132)
     cuda = torch.device("cuda", 0)
     d128, d64 = tiles.tiles_for(128), tiles.tiles_for(64)
     assert (d128.block_n, d128.programs_per_sm, d64.block_n, d64.programs_per_sm) == (128, 1, 64, 2)
@@ -150,7 +150,7 @@ def test_split_count_fills_one_wave_from_shapes_only(monkeypatch):
 @pytest.mark.parametrize("keys", [1, 63, 64, 300, 5000, 70000])
 @pytest.mark.parametrize("blocks", [1, 3, 8, 40, 129, 1000])
 def test_no_chunk_is_empty_at_full_capacity(monkeypatch, blocks, keys):
-    monkeypatch.setattr(tiles, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tiles, "sm_count", lambda device_index: 132)
     for d in (64, 128, 256):
         t = tiles.tiles_for(d)
         splits = tiles.default_num_splits(blocks, keys, torch.device("cuda", 0), t)
