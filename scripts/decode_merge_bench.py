@@ -29,12 +29,17 @@ POINTS = [(1, 32, 8, 128, 2048), (1, 32, 8, 128, 16384), (1, 32, 8, 128, 65536),
 
 
 def other_host(rev: str):
-    """attention/flash/decode/host.py and kernels.py of commit `rev`, loaded as modules of their own."""
+    """attention/flash/decode/host.py and kernels.py of commit `rev` (or from the directory `rev`, for a copy of the
+    tree without git), loaded as modules of their own."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tmp = tempfile.mkdtemp()
     for name in ("host", "kernels"):
-        text = subprocess.run(["git", "show", f"{rev}:attention/flash/decode/{name}.py"], cwd=root, check=True,
-                              capture_output=True, text=True).stdout
+        if os.path.isdir(rev):
+            with open(os.path.join(rev, f"{name}.py")) as f:
+                text = f.read()
+        else:
+            text = subprocess.run(["git", "show", f"{rev}:attention/flash/decode/{name}.py"], cwd=root, check=True,
+                                  capture_output=True, text=True).stdout
         text = text.replace("from attention.flash.decode import kernels  #", "import other_decode_kernels as kernels  #")
         text = "\n".join(line for line in text.splitlines() if not line.startswith("register_decode("))
         with open(os.path.join(tmp, f"other_decode_{name}.py"), "w") as f:
@@ -63,7 +68,8 @@ def clean_flush_us(fn, flush: torch.Tensor, n: int = 100) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--against", required=True, help="the commit whose two-kernel decode is compared")
+    p.add_argument("--against", required=True, help="the commit whose two-kernel decode is compared (or a directory "
+                                                    "holding its attention/flash/decode/host.py and kernels.py)")
     args = p.parse_args()
     other = other_host(args.against)
     dev = torch.device("cuda")
