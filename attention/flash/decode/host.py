@@ -129,47 +129,26 @@ def _length_args(cache_len: CacheLen, q: torch.Tensor, q4: torch.Tensor) -> tupl
     return cache_len, strides[-2], strides[-1], 0, True
 
 
-# The kernel's chunk counts, int32, per (device index, stream): each call's last programs leave them at 0, and calls
-# that may run at the same time (on two streams) never share one. A larger set replaces a smaller, which stays alive:
-# a CUDA graph captured with it still points at it. Under graph capture a first set is made inside the graph (a
-# memset each replay); traced calls make theirs in the compiled graph.
-_counts: dict[tuple, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []
-MIN_COUNTS = 1024
-
-
-def chunk_counts(device: torch.device, blocks: int) -> torch.Tensor:
-    """At least `blocks` zeroed int32 counts for a decode call on `device`'s current stream."""
-    if torch.compiler.is_compiling():
-        return torch.zeros(blocks, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (device.type,)
-    counts = _counts.get(key)
-    if counts is None or counts.numel() < blocks:
-        if counts is not None:
-            _outgrown.append(counts)
-        counts = _counts[key] = torch.zeros(max(blocks, MIN_COUNTS), dtype=torch.int32, device=device)
-    return counts
-
-
 class DecodePlan:
     """decode_triton() of one input signature, resolved: `plan(q, k_cache, v_cache, cache_len) -> o` allocates the
-    output (and the partials) and launches the compiled kernel, nothing else. With one split the kernel writes the
-    output and needs neither partials nor counts."""
+    output (and the partials) and launches the compiled kernels, nothing else. One split has no combine: the partial
+    kernel writes the output."""
 
-    __slots__ = ("partial", "part_numel", "blocks")
+    __slots__ = ("partial", "combine", "part_numel")
 
-    def __init__(self, partial: Launch, part_numel: int, blocks: int):
-        self.partial, self.part_numel, self.blocks = partial, part_numel, blocks
+    def __init__(self, partial: Launch, combine: Optional[Launch], part_numel: int):
+        self.partial, self.combine, self.part_numel = partial, combine, part_numel
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_len: CacheLen) -> torch.Tensor:
         o = empty_like(q)
         lens = cache_len if isinstance(cache_len, torch.Tensor) else q  # an int is in the launch; q is never read
-        if not self.part_numel:
-            self.partial(q, k_cache, v_cache, lens, o, o, o)
+        if self.combine is None:
+            self.partial(q, k_cache, v_cache, lens, o, o)
             return o
         part = empty((self.part_numel,), torch.float32, q.device)
-        self.partial(q, k_cache, v_cache, lens, part, o, chunk_counts(q.device, self.blocks))
+        self.partial(q, k_cache, v_cache, lens, part, o)
+        self.combine(part, o)
         return o
 
 
@@ -234,8 +213,6 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
     lse_offset = rows * num_splits * d
     direct = num_splits == 1
     part = o4 if direct else empty((lse_offset + rows * num_splits,), torch.float32, q.device)  # outputs, then lse
-    blocks = batch * kv_heads * row_blocks
-    counts = o4 if direct else chunk_counts(q.device, blocks)
     # Softcap: the base-2 scores are cap_log2e * tanh(cap_scale * q.k), so the plain scale is not applied.
     log2e = 1.4426950408889634
     qk_scale, cap_scale, cap_log2e = (scale * log2e, 0.0, 0.0) if softcap is None else (
@@ -246,15 +223,18 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
     block_d = _block_d(d)
     with on_device_of(q):
         partial = _run(kernels.decode_partial_kernel, (batch * kv_heads, num_splits, row_blocks),
-                       (q4, k4, v4, lens, part, o4, counts, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+                       (q4, k4, v4, lens, part, o4, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
                         stride_lb, stride_lh, fixed_len, lse_offset, kv_heads, n_new, d, num_splits, qk_scale,
-                        window or 0, cap_scale, cap_log2e), 7,
+                        window or 0, cap_scale, cap_log2e), 6,
                        {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_D": block_d,
                         "IEEE": q.dtype == torch.float32, "LENS_TENSOR": lens_tensor, "WINDOW": window is not None,
                         "SOFTCAP": softcap is not None, "DIRECT": direct}, partial_options, traceable)
+        combine = None if direct else _run(
+            kernels.decode_combine_kernel, (rows,), (part, o4, *o4.stride(), lse_offset, heads, n_new, d, num_splits),
+            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d}, {}, traceable)
     if traceable or not plannable(q, k_cache, v_cache):
         return o, None
-    return o, DecodePlan(partial, 0 if direct else part.numel(), blocks)
+    return o, DecodePlan(partial, combine, 0 if direct else part.numel())
 
 
 def decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:

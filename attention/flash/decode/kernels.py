@@ -4,9 +4,9 @@ Decoding is bound by reading the cache, so each cache head is read once for all 
 the GROUP query heads of a GQA group times the n_new new tokens. `decode_partial_kernel` runs one program per
 (sequence, cache head, row block, split): it holds those rows as one (BLOCK_M, d) tile (padded to at least 16 rows,
 so both products are tensor-core dots), streams its chunk of the cache past them, and writes every row's normalised
-partial output and log-sum-exp (with one split, the output itself). The last program of a row block to finish merges
-its chunks, weighting each by exp(lse_chunk - lse_row): no second kernel, whose launch cost as much as the merge.
-Scores are in the log2 domain (the scale is multiplied by log2(e)) so the exponentials are exp2.
+partial output and log-sum-exp (with one split, the output itself); `decode_combine_kernel` merges a row's chunks,
+weighting each by exp(lse_chunk - lse_row). Scores are in the log2 domain (the scale is multiplied by log2(e)) so
+the exponentials are exp2.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def decode_partial_kernel(
-    Q, K, V, LENS, PART, O, COUNT,
+    Q, K, V, LENS, PART, O,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -30,8 +30,7 @@ def decode_partial_kernel(
 ):
     """LENS (batch, heads) at strides stride_lb, stride_lh, or fixed_len for every row (LENS_TENSOR false);
     PART holds the partial outputs (rows, n_splits, head_dim) and from lse_offset on their log-sum-exps (rows,
-    n_splits); COUNT (int32, one per row block, 0 before the call and after it) counts the block's finished chunks;
-    DIRECT (one split): the output goes straight to O instead, and PART and COUNT are not touched; window: keys
+    n_splits); DIRECT (one split): the output goes straight to O instead, and PART is not touched; window: keys
     within it of the query (WINDOW); softcap: the base-2 scores become cap_log2e * tanh(cap_scale * q.k)
     (SOFTCAP)."""
     bkv = tl.program_id(0)  # (sequence, cache head) flattened
@@ -99,39 +98,41 @@ def decode_partial_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    # A row that saw no key of this chunk weighs nothing in the merge.
+    # A row that saw no key of this chunk weighs nothing in the combine.
     nonempty = l > 0
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), -float("inf"))
     o = acc / tl.where(nonempty, l, 1.0)[:, None]
-    o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + j[:, None] * stride_om + offs_d[None, :] * stride_od
-    o_mask = real[:, None] & mask_d[None, :]
     if DIRECT:  # the only chunk: its normalised output is the row's
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=o_mask)
+        tl.store(O + b * stride_ob + h[:, None] * stride_oh + j[:, None] * stride_om + offs_d[None, :] * stride_od,
+                 o.to(O.dtype.element_ty), mask=real[:, None] & mask_d[None, :])
     else:
-        # Rows in (sequence, head, new token) order, each with its n_splits chunks; int64: rows x splits x d_head
-        # may pass 2^31.
-        part = (bkv.to(tl.int64) * GROUP * n_new + offs_r) * n_splits  # each row's first chunk
-        tl.store(PART + (part + split)[:, None] * head_dim + offs_d[None, :], o, mask=o_mask)
-        tl.store(PART + lse_offset + part + split, lse, mask=real)
-        # Every thread's partials are written before the count says so (the barrier, then a release); the block's
-        # last chunk reads the others' after it (acquire, and .cg loads that skip this SM's L1).
-        tl.debug_barrier()
-        block = bkv * tl.num_programs(2) + tl.program_id(2)
-        if tl.atomic_add(COUNT + block, 1, sem="acq_rel") == n_splits - 1:
-            top = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)  # running max of the chunks' lse
-            total = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(lse_c - top)
-            out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running sum of exp2(lse_c - top) * o_c
-            for c in range(n_splits):
-                lse_c = tl.load(PART + lse_offset + part + c, mask=real, other=-float("inf"), cache_modifier=".cg")
-                o_c = tl.load(PART + (part + c)[:, None] * head_dim + offs_d[None, :], mask=o_mask, other=0.0,
-                              cache_modifier=".cg")
-                top_new = tl.maximum(top, lse_c)
-                top_sub = tl.where(top_new == -float("inf"), 0.0, top_new)  # chunks a row sees nothing of weigh 0
-                scale_old = tl.exp2(top - top_sub)
-                weight = tl.exp2(lse_c - top_sub)
-                total = total * scale_old + weight
-                out = out * scale_old[:, None] + weight[:, None] * o_c
-                top = top_new
-            # Every real row sees at least one key, so its total is positive; padding rows are not stored.
-            tl.store(o_ptrs, (out / tl.where(total > 0, total, 1.0)[:, None]).to(O.dtype.element_ty), mask=o_mask)
-            tl.store(COUNT + block, 0)  # ready for the next call
+        # Rows in (sequence, head, new token) order; int64: rows x splits x d_head may pass 2^31.
+        part = (bkv.to(tl.int64) * GROUP * n_new + offs_r) * n_splits + split
+        tl.store(PART + part[:, None] * head_dim + offs_d[None, :], o, mask=real[:, None] & mask_d[None, :])
+        tl.store(PART + lse_offset + part, lse, mask=real)
+
+
+@triton.jit
+def decode_combine_kernel(
+    PART, O,
+    stride_ob, stride_oh, stride_om, stride_od,
+    lse_offset, n_heads, n_new, head_dim, n_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: rows x splits x d_head may pass 2^31
+    bh = row // n_new
+    j = row % n_new
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < n_splits
+    mask_d = offs_d < head_dim
+    lse = tl.load(PART + lse_offset + row * n_splits + offs_s, mask=mask_s, other=-float("inf"))
+    # Every row sees at least one key, so some chunk's lse and the row's max are finite.
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # (BLOCK_S,), 0 for empty chunks
+    parts = tl.load(PART + (row * n_splits + offs_s[:, None]) * head_dim + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    o = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
+    tl.store(O + b * stride_ob + h * stride_oh + j * stride_om + offs_d * stride_od,
+             o.to(O.dtype.element_ty), mask=mask_d)

@@ -14,7 +14,7 @@ import torch
 
 from attention.flash.common import sm_count
 
-MAX_SPLITS = 128  # more chunks than one wave of programs never pays, and each is a step of the merge
+MAX_SPLITS = 128  # the combine kernel holds all of a row's chunks at once
 
 
 @dataclass(frozen=True)

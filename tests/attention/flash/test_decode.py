@@ -226,7 +226,7 @@ def test_a_captured_step_reads_the_lengths_it_is_given():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 def test_one_split_writes_the_output_itself(dtype):
-    """num_splits=1: the partial kernel writes the output (no partials, no merge), into a strided q's order."""
+    """num_splits=1: the partial kernel writes the output (no partials, no combine), into a strided q's order."""
     q, k, v, cache_len = inputs(2, 4, 500, n_new=2, dtype=dtype, kv_heads=2, d=32, seed=21)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (batch, heads, n_new, d) view of (batch, n_new, heads, d)
     o = decode_triton(q, k, v, cache_len, 0.2, num_splits=1, window=300)
@@ -278,42 +278,3 @@ def test_plans_launch_the_compiled_kernels_on_gpu(num_splits):
         q, k, v, cache_len = inputs(1, 4, 3000, dtype=torch.bfloat16, kv_heads=8, d=128, seed=seed)
         o = decode_triton(q, k, v, cache_len, 0.1, num_splits=num_splits)
         torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.1), **TOLERANCE[torch.bfloat16])
-
-
-@pytest.mark.parametrize("num_splits", [3, 7])
-def test_the_last_chunk_merges_and_leaves_the_counts_at_zero(num_splits):
-    """Each row block's last program merges its chunks; every call ends with the counts back at 0, so the next call
-    (here with rows split into two blocks of 64) starts from them again."""
-    for seed, group in ((43, 8), (44, 96)):
-        q, k, v, cache_len = inputs(2, group, 700, kv_heads=2, d=16, seed=seed)
-        for _ in range(2):
-            o = decode_triton(q, k, v, cache_len, 0.25, num_splits=num_splits)
-            torch.testing.assert_close(o.double(), reference(q, k, v, cache_len, 0.25), **TOLERANCE[torch.float32])
-            assert not host.chunk_counts(q.device, 1).any()
-
-
-@needs_cuda
-def test_calls_on_two_streams_at_once_count_apart_and_repeat_bitwise():
-    """Streams get counts of their own, so steps running side by side do not mix their chunks; and the merge,
-    which reads what other programs wrote, gives the same bits on every call."""
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    cases = [inputs(1, 4, 20000, dtype=torch.bfloat16, kv_heads=8, d=128, seed=seed) for seed in (51, 52)]
-    cases = [(q, k.nan_to_num(), v.nan_to_num(), lens) for q, k, v, lens in cases]
-    expected = [decode_triton(*case, 0.1) for case in cases]
-    torch.cuda.synchronize()
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    outs = [[], []]
-    for _ in range(20):
-        for i, stream in enumerate(streams):
-            with torch.cuda.stream(stream):
-                outs[i].append(decode_triton(*cases[i], 0.1))
-    torch.cuda.synchronize()
-    with torch.cuda.stream(streams[0]):
-        first = host.chunk_counts(cases[0][0].device, 1)
-    with torch.cuda.stream(streams[1]):
-        second = host.chunk_counts(cases[0][0].device, 1)
-    assert first.data_ptr() != second.data_ptr() and not first.any() and not second.any()
-    for i in range(2):
-        assert all(torch.equal(o, expected[i]) for o in outs[i])
-        torch.testing.assert_close(expected[i].double(), reference(*cases[i], 0.1), **TOLERANCE[torch.bfloat16])
