@@ -86,8 +86,6 @@ class OptimConfig:
     weight_decay: float = option(0.1, "decoupled weight decay of the matrices")
     embed_lr_scale: float = option(1.0, "the embedding's learning rate as a multiple of --lr (its weight decay divided "
                                         "by as much: the same shrinkage a step)")
-    head_lr_scale: float = option(1.0, "the LM head's learning rate as a multiple of --lr (its weight decay divided by "
-                                       "as much)")
     grad_clip: float = option(1.0, "clip the global gradient norm (0: none, and the optimizer then steps each "
                                    "parameter during the backward)", True)
 
@@ -256,9 +254,8 @@ def _check_values(config: Config) -> None:
     for flag, (value, least) in at_least.items():
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be >= {least}, got {value:g}")
-    for flag, scale in (("--embed-lr-scale", op.embed_lr_scale), ("--head-lr-scale", op.head_lr_scale)):
-        if scale <= 0:
-            raise ConfigError(f"{flag} must be > 0, got {scale:g}")
+    if op.embed_lr_scale <= 0:
+        raise ConfigError(f"--embed-lr-scale must be > 0, got {op.embed_lr_scale:g}")
     if ex.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {ex.dist_timeout:g}")
     if op.min_lr > op.lr:

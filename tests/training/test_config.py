@@ -120,7 +120,6 @@ def test_a_cuda_graph_asked_for_on_the_cpu_is_still_an_error(capsys):
     (dict(optim={"warmup_steps": -5}), "--warmup-steps must be >= 0, got -5"),
     (dict(optim={"lr": -0.1}), "--lr must be >= 0, got -0.1"),
     (dict(optim={"embed_lr_scale": 0.0}), "--embed-lr-scale must be > 0, got 0"),
-    (dict(optim={"head_lr_scale": -1.0}), "--head-lr-scale must be > 0, got -1"),
     (dict(data={"batch_size": 0}), "--batch-size must be >= 1, got 0"),
     (dict(data={"vocab_size": 0}), "--vocab-size must be >= 1, got 0"),
     (dict(execution={"dist_timeout": 0.0}), "--dist-timeout must be > 0 seconds, got 0"),

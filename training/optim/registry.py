@@ -88,21 +88,16 @@ def state_layout(name: str) -> str:
 
 def param_groups(model: nn.Module, params: list[nn.Parameter], s: OptimizerSettings) -> list[dict]:
     """The groups over `params`: weight decay on matrices only (norm gains are scales, and decaying them towards 0
-    fights the normalisation); with --embed-lr-scale or --head-lr-scale, the embedding or the LM head in a group of
-    its own at that multiple of the learning rate and with its decay divided by as much, so that the shrinkage a step
-    (lr x decay) stays the run's."""
-    wd, named = s.config.weight_decay, dict(model.named_parameters())
-    scales = {}  # id(parameter) -> its learning-rate multiple
-    for name, flag, scale in (("embed.weight", "--embed-lr-scale", s.config.embed_lr_scale),
-                              ("lm_head.weight", "--head-lr-scale", s.config.head_lr_scale)):
-        if scale != 1 and name not in named:
-            from training.config import ConfigError
-            raise ConfigError(f"{flag}: {type(model).__name__} has no parameter named {name}")
-        if scale != 1:
-            scales[id(named[name])] = scale
-    rest = [p for p in params if id(p) not in scales]
+    fights the normalisation); with --embed-lr-scale, the embedding in a group of its own at that multiple of the
+    learning rate and with its decay divided by as much, so that the shrinkage a step (lr x decay) stays the run's."""
+    wd, scale = s.config.weight_decay, s.config.embed_lr_scale
+    embed = dict(model.named_parameters()).get("embed.weight") if scale != 1 else None
+    if scale != 1 and embed is None:
+        from training.config import ConfigError
+        raise ConfigError(f"--embed-lr-scale: {type(model).__name__} has no parameter named embed.weight")
+    scaled = [p for p in params if p is embed]
+    rest = [p for p in params if p is not embed]
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": wd},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    groups += [{"params": [p], "weight_decay": wd / scales[id(p)], "lr": s.lr * scales[id(p)],
-                "lr_scale": scales[id(p)]} for p in params if id(p) in scales]
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+              {"params": scaled, "weight_decay": wd / scale, "lr": s.lr * scale, "lr_scale": scale}]
     return [g for g in groups if g["params"]]
