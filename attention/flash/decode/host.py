@@ -27,7 +27,6 @@ import torch
 from attention.decode import CacheLen, capped, lengths, repeat_kv, visible
 from attention.flash.common import as_bhsd, empty, empty_like, on_device_of
 from attention.flash.dispatch import _keep
-from attention.flash.hopper.inputs import device_capability
 from attention.flash.decode.tiles import MAX_SPLITS, DecodeTiles, default_num_splits, tiles_for
 from attention.flash.triton.host import Launch, _block_d, _cdiv, _run, plannable
 from attention.registry import register_decode
@@ -219,9 +218,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
     qk_scale, cap_scale, cap_log2e = (scale * log2e, 0.0, 0.0) if softcap is None else (
         1.0, scale / softcap, softcap * log2e)
     kernels = _kernels()
-    # The interpreter takes no launch options. Traced launches go without programmatic dependent launch.
+    # The interpreter takes no launch options.
     partial_options = {} if _interpreting() else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    pdl = not direct and not traceable and kernels.PDL_AVAILABLE and (device_capability(q) or (0, 0)) >= (9, 0)
     block_d = _block_d(d)
     with on_device_of(q):
         partial = _run(kernels.decode_partial_kernel, (batch * kv_heads, num_splits, row_blocks),
@@ -230,11 +228,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
                         window or 0, cap_scale, cap_log2e), 6,
                        {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_D": block_d,
                         "IEEE": q.dtype == torch.float32, "LENS_TENSOR": lens_tensor, "WINDOW": window is not None,
-                        "SOFTCAP": softcap is not None, "DIRECT": direct, "PDL": pdl}, partial_options, traceable)
+                        "SOFTCAP": softcap is not None, "DIRECT": direct}, partial_options, traceable)
         combine = None if direct else _run(
             kernels.decode_combine_kernel, (rows,), (part, o4, *o4.stride(), lse_offset, heads, n_new, d, num_splits),
-            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d, "PDL": pdl},
-            {"launch_pdl": True} if pdl else {}, traceable)
+            2, {"BLOCK_S": _block_d(num_splits), "BLOCK_D": block_d}, {}, traceable)
     if traceable or not plannable(q, k_cache, v_cache):
         return o, None
     return o, DecodePlan(partial, combine, 0 if direct else part.numel())

@@ -14,12 +14,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (sm_90 and later): the combine starts while the partial kernel ends
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    PDL_AVAILABLE = True
-except ImportError:
-    PDL_AVAILABLE = False
-
 
 @triton.jit
 def decode_partial_kernel(
@@ -33,7 +27,6 @@ def decode_partial_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, LENS_TENSOR: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, DIRECT: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """LENS (batch, heads) at strides stride_lb, stride_lh, or fixed_len for every row (LENS_TENSOR false);
     PART holds the partial outputs (rows, n_splits, head_dim) and from lse_offset on their log-sum-exps (rows,
@@ -105,8 +98,6 @@ def decode_partial_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    if PDL:  # the combine kernel may be scheduled now; it waits for this grid's end before it reads
-        gdc_launch_dependents()
     # A row that saw no key of this chunk weighs nothing in the combine.
     nonempty = l > 0
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), -float("inf"))
@@ -126,10 +117,8 @@ def decode_combine_kernel(
     PART, O,
     stride_ob, stride_oh, stride_om, stride_od,
     lse_offset, n_heads, n_new, head_dim, n_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    if PDL:  # launched early: wait for the partial kernel's grid to finish and its writes to land
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # int64: rows x splits x d_head may pass 2^31
     bh = row // n_new
     j = row % n_new
