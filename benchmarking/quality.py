@@ -136,14 +136,22 @@ class RecipeRun:
     points: list[dict[str, Any]] = field(default_factory=list)  # one per evaluation
     steps: int = 0  # all steps, warm-up ones included
     timed_steps: int = 0  # the steps on the clock
+    tokens: int = 0  # trained on, warm-up steps included
+    timed_tokens: int = 0  # those of the steps on the clock
     train_s: float = 0.0  # the clock: seconds of training
     warmup_s: float = 0.0
     status: str = "ok"  # ok, diverged, interrupted, OOM, error
     message: str = ""
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.config.data.batch_size * self.config.model.context_length
+    def batch_size(self, clock_s: float, budget_s: float) -> int:
+        """Sequences in a step at `clock_s`: --batch-size-start for the first --batch-ramp of the budget."""
+        d = self.config.data
+        return d.batch_size_start if d.batch_size_start and clock_s < d.batch_ramp * budget_s else d.batch_size
+
+    def batch_sizes(self) -> list[int]:
+        """Every batch size of the run, in order."""
+        d = self.config.data
+        return [d.batch_size_start, d.batch_size] if d.batch_size_start else [d.batch_size]
 
     def lr(self, clock_s: float, budget_s: float) -> float:
         """The recipe's schedule (train.py's) over the steps that the budget holds at the speed so far."""
@@ -156,12 +164,17 @@ class RecipeRun:
         warmup = o.warmup_steps if self.explicit_warmup else default_warmup_steps(planned)
         return lr_at(self.steps, o.lr, o.min_lr, warmup, planned)
 
-    def train_step(self, clock_s: float, budget_s: float) -> torch.Tensor:
+    def train_step(self, clock_s: float, budget_s: float, rows: Optional[int] = None) -> tuple[torch.Tensor, int]:
+        """One step of `rows` sequences (default the schedule's); (loss, tokens trained on)."""
         self.step.set_lr(self.lr(clock_s, budget_s))
-        batch = self.sampler.train(self.steps)
-        loss, _ = self.step(batch.inputs, batch.targets, batch.doc_ids, want_norm=False)
+        rows = rows or self.batch_size(clock_s, budget_s)
+        b = self.sampler.train(self.steps)
+        docs = None if b.doc_ids is None else b.doc_ids[:rows]
+        loss, _ = self.step(b.inputs[:rows], b.targets[:rows], docs, want_norm=False)
         self.steps += 1
-        return loss
+        tokens = rows * self.config.model.context_length
+        self.tokens += tokens
+        return loss, tokens
 
     def evaluate(self) -> Evaluation:
         """Bits per byte on the fixed validation batches (the same for every recipe: drawn by seed and index)."""
@@ -195,7 +208,7 @@ def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
     result = run.evaluate()
     train_loss = None if loss is None else float(loss)
     run.points.append({"size": run.size, "recipe": run.label, "clock_s": clock_s, "step": run.steps,
-                       "tokens": run.steps * run.tokens_per_step, "train_loss": train_loss,
+                       "tokens": run.tokens, "train_loss": train_loss,
                        "val_loss": result.loss, "val_bpb": result.bpb})
     if math.isfinite(result.loss) and (train_loss is None or math.isfinite(train_loss)):
         return True
@@ -208,11 +221,13 @@ def warm_up(run: RecipeRun, budget_s: float, say: Say) -> None:
     """The steps that compile and capture (trained on, as train.py's, but timed apart)."""
     n = warm_up_steps(run.config)
     start = time.perf_counter()
-    for _ in range(n):
-        run.train_step(0.0, budget_s)
+    for rows in run.batch_sizes():  # each batch shape compiles and captures its own graph
+        for _ in range(n):
+            run.train_step(0.0, budget_s, rows)
     synchronize(run.step.device)
     run.warmup_s = time.perf_counter() - start
     if n:
+        n *= len(run.batch_sizes())
         say(f"{run.size} {run.label}: warm-up {run.warmup_s:.1f} s for {n} step{'s' * (n > 1)} (not on the clock)")
 
 
@@ -226,9 +241,10 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> N
         next_eval = interval_s
         clock.start()
         while clock.read() < budget_s:
-            loss = run.train_step(clock.read(), budget_s)
+            loss, tokens = run.train_step(clock.read(), budget_s)
             clock.step_done()
             run.timed_steps += 1
+            run.timed_tokens += tokens
             if clock.read() >= next_eval:
                 if not record(run, clock, loss):
                     return
@@ -264,6 +280,8 @@ class Outcome:
     points: list[dict[str, Any]]
     steps: int = 0
     timed_steps: int = 0
+    tokens: int = 0
+    timed_tokens: int = 0
     train_s: float = 0.0
     warmup_s: float = 0.0
     status: str = "ok"
@@ -271,8 +289,8 @@ class Outcome:
 
     @classmethod
     def of(cls, run: RecipeRun) -> "Outcome":
-        return cls(run.size, run.label, run.config, run.points, run.steps, run.timed_steps, run.train_s,
-                   run.warmup_s, run.status, run.message)
+        return cls(run.size, run.label, run.config, run.points, run.steps, run.timed_steps, run.tokens,
+                   run.timed_tokens, run.train_s, run.warmup_s, run.status, run.message)
 
 
 def open_data(settings: QualitySettings, context_length: int) -> DataSource:

@@ -100,6 +100,9 @@ class DataConfig:
     vocab_size: Optional[int] = option(None, "vocabulary; default the data's (256 for bytes, the tokenizer's, 10000 "
                                              "for synthetic tokens)")
     batch_size: int = option(16, "sequences per optimizer step (all ranks together)", True)
+    batch_size_start: int = option(0, "time-to-quality benchmark: sequences per step for the first --batch-ramp of "
+                                      "the budget, then --batch-size (0: --batch-size throughout)")
+    batch_ramp: float = option(0.0, "the fraction of the time-to-quality budget trained at --batch-size-start")
     pack_documents: bool = option(False, "prepared data: rows start at document starts; attention stays within each "
                                          "document and RoPE restarts at each", True)
     data_changed: bool = option(False, "--resume on data other than the run's (another corpus or tokenizer): meant, "
@@ -308,6 +311,10 @@ def _check_combinations(config: Config, device: torch.device, world_size: int) -
     if per_rank % ex.grad_accum_steps:
         raise ConfigError(f"--grad-accum-steps {ex.grad_accum_steps} must divide the sequences per rank and step "
                           f"({per_rank})")
+    start = config.data.batch_size_start
+    if start and (start % (world_size * ex.grad_accum_steps) or not 0 < config.data.batch_ramp <= 1):
+        raise ConfigError(f"--batch-size-start {start} must be a multiple of the ranks times --grad-accum-steps, with "
+                          f"--batch-ramp in (0, 1] (got {config.data.batch_ramp})")
 
 
 def backend_problem(attn: str, device: torch.device | str, dtype: torch.dtype, d_head: int, training: bool = True,

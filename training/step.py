@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -105,7 +105,8 @@ class TrainingStep:
     config: Config
     device: torch.device
     grad_norm: bool = True  # return the global gradient norm (bench_model times the step without it)
-    graphed: Optional[GraphedStep] = None
+    graphed: Optional[GraphedStep] = None  # the graph of the first batch shape
+    other_graphs: dict[tuple, GraphedStep] = field(default_factory=dict)  # one per later shape (a batch schedule)
     after_update: Optional[Callable[[], None]] = None  # run after each optimizer step (float8 scales under FSDP)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, model: Optional[Callable] = None,
@@ -179,7 +180,7 @@ class TrainingStep:
         gradients after the step, so that steps that log nothing (and a captured graph) do not pay for it."""
         inputs = (x, y) if doc_ids is None else (x, y, doc_ids)
         # A graph keeps its gradients in its pool until the next replay; an eager step's are cleared after it.
-        out = self.graphed(*inputs) if self.graphed is not None else self.eager_step(*inputs)
+        out = self._graph_for(inputs)(*inputs) if self.graphed is not None else self.eager_step(*inputs)
         norm = out[1] if len(out) > 1 else None
         if norm is None and want_norm and self.grad_norm:
             norm = self.gradient_norm()
@@ -189,6 +190,16 @@ class TrainingStep:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
+
+    def _graph_for(self, inputs: tuple[torch.Tensor, ...]) -> GraphedStep:
+        """The graph of these inputs' shapes: the first graph takes the first shape it sees, each other its own."""
+        shapes = tuple(t.shape for t in inputs)
+        first = self.graphed
+        if first.shapes is None or first.shapes == shapes:
+            return first
+        if shapes not in self.other_graphs:
+            self.other_graphs[shapes] = GraphedStep(self.eager_step, self.optimizer, warmup=first.warmup)
+        return self.other_graphs[shapes]
 
 
 def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = None, grad_norm: bool = True,

@@ -21,7 +21,7 @@ from model import TransformerLM
 from profiling.run_profiler import RunProfiler, profile_window
 from training.checkpoint.resume import load_checkpoint, save_checkpoint
 from training.cli import write_config
-from training.config import Config
+from training.config import Config, ConfigError
 from training.data import open_source, vocab_of
 from training.data.record import check_resume_data, record_data
 from training.data.sampling import Sampler
@@ -73,6 +73,8 @@ class Trainer:
         self.say = print if self.ctx.is_main else _quiet
         self.warn = _stderr if self.ctx.is_main else _quiet
         self.out = Path(config.run.out)
+        if config.data.batch_size_start:
+            raise ConfigError("--batch-size-start: only bench_model.py --mode time-to-quality trains a batch schedule")
         use_deterministic_algorithms(config.execution.deterministic)
         torch.manual_seed(config.run.seed)
         with distributed.main_first(self.ctx):  # rank 0 builds the token cache, the other ranks then read it

@@ -58,9 +58,9 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
     monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
     real_step = RecipeRun.train_step
 
-    def step(self, clock_s, budget_s):
+    def step(self, clock_s, budget_s, rows=None):
         fake.now += 0.25
-        return real_step(self, clock_s, budget_s)
+        return real_step(self, clock_s, budget_s, rows)
 
     def evaluate(self):
         fake.now += 5.0
@@ -75,6 +75,30 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
     assert (run.train_s, run.steps, run.timed_steps) == (1.0, 4, 4)  # 15 s of evaluation, not on the clock
     assert [p["tokens"] for p in run.points] == [0, 2 * 128, 4 * 128]
     assert run.points[0]["train_loss"] is None and run.points[-1]["train_loss"] is not None
+
+
+def test_a_batch_schedule_trains_the_start_batch_for_its_share_of_the_budget_then_the_full_one(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
+    real_step, rows_seen = RecipeRun.train_step, []
+
+    def step(self, clock_s, budget_s, rows=None):
+        fake.now += 0.25
+        loss, tokens = real_step(self, clock_s, budget_s, rows)
+        rows_seen.append(tokens // TINY.context_length)
+        return loss, tokens
+
+    monkeypatch.setattr(RecipeRun, "train_step", step)
+    overrides = {**OVERRIDES, ("data", "batch_size_start"): 2, ("data", "batch_ramp"): 0.5}
+    config, explicit = quality.resolved_config("adamw", TINY, overrides)
+    run = quality.build_run("adamw", "tiny", config, explicit, _source())
+    quality.train_for(run, budget_s=2.0, interval_s=1.0, say=lambda line: None)
+    assert rows_seen == [2, 2, 2, 2, 4, 4, 4, 4]  # the first half of the budget at 2 rows, the rest at 4
+    assert (run.tokens, run.timed_tokens) == (24 * 32, 24 * 32)
+    assert [p["tokens"] for p in run.points] == [0, 8 * 32, 24 * 32]
+    with pytest.raises(ConfigError, match="^recipe adamw: --batch-size-start 3 must be a multiple"):
+        quality.resolved_config("adamw", TINY, {**overrides, ("data", "batch_size_start"): 3,
+                                                ("execution", "grad_accum_steps"): 2})
 
 
 def _source():
@@ -100,8 +124,9 @@ def outcome(recipe: str, bpbs: list[float], size: str = "tiny", status: str = "o
     config = Config(model=TINY).replace(execution={"device": "cpu", "dtype": "fp32"}, data={"batch_size": 4})
     points = [{"size": size, "recipe": recipe, "clock_s": 10.0 * i, "step": 5 * i, "tokens": 5 * i * 128,
                "train_loss": None, "val_loss": b * 0.69, "val_bpb": b} for i, b in enumerate(bpbs)]
-    return Outcome(size, recipe, config, points, steps=5 * (len(bpbs) - 1), timed_steps=5 * (len(bpbs) - 1),
-                   train_s=10.0 * (len(bpbs) - 1), status=status)
+    steps = 5 * (len(bpbs) - 1)
+    return Outcome(size, recipe, config, points, steps=steps, timed_steps=steps, tokens=steps * 128,
+                   timed_tokens=steps * 128, train_s=10.0 * (len(bpbs) - 1), status=status)
 
 
 def test_the_target_is_the_first_recipes_final_value_or_the_one_given():

@@ -197,6 +197,23 @@ def test_the_built_step_replays_like_the_eager_step_with_its_learning_rate_set_e
 
 
 @requires_cuda
+def test_a_second_batch_shape_gets_a_graph_of_its_own_and_trains_like_the_eager_step():
+    """A batch schedule: 3 steps of 2 rows (warm-up, warm-up, capture), then 4 rows (their own warm-up and capture),
+    then 2 rows again, replayed by the first graph; losses and weights as the eager step's."""
+    rows = [2, 2, 2, 4, 4, 4, 4, 2]
+    results = []
+    for graph in (False, True):
+        model, step = built_step(CFG, graph, execution={"dtype": "fp32", "compile": False}, optim={"grad_clip": 0.5})
+        losses = [step(x[:n], y[:n])[0].item() for n, (x, y) in zip(rows, _batches(len(rows), "cuda"))]
+        assert not graph or (step.graphed.captured and [g.captured for g in step.other_graphs.values()] == [True])
+        results.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (eager, eager_params), (replayed, replayed_params) = results
+    torch.testing.assert_close(torch.tensor(replayed), torch.tensor(eager), rtol=1e-4, atol=1e-5)
+    for p, q in zip(replayed_params, eager_params):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@requires_cuda
 def test_the_speedrun_recipe_compiled_and_graphed_with_flash_trains_like_its_eager_step():
     """The recipe's model options and Muon under compile and a CUDA graph, with flash: the losses of the eager step,
     in bf16."""
