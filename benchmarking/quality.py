@@ -138,20 +138,12 @@ class RecipeRun:
     timed_steps: int = 0  # the steps on the clock
     tokens: int = 0  # trained on, warm-up steps included
     timed_tokens: int = 0  # those of the steps on the clock
+    rows: int = 0  # sequences a step takes now (the batch-size schedule's)
     train_s: float = 0.0  # the clock: seconds of training
     warmup_s: float = 0.0
     status: str = "ok"  # ok, diverged, interrupted, OOM, error
     message: str = ""
 
-    def batch_size(self, clock_s: float, budget_s: float) -> int:
-        """Sequences in a step at `clock_s`: --batch-size-start for the first --batch-ramp of the budget."""
-        d = self.config.data
-        return d.batch_size_start if d.batch_size_start and clock_s < d.batch_ramp * budget_s else d.batch_size
-
-    def batch_sizes(self) -> list[int]:
-        """Every batch size of the run, in order."""
-        d = self.config.data
-        return [d.batch_size_start, d.batch_size] if d.batch_size_start else [d.batch_size]
 
     def lr(self, clock_s: float, budget_s: float) -> float:
         """The recipe's schedule (train.py's) over the steps that the budget holds at the speed so far."""
@@ -164,15 +156,13 @@ class RecipeRun:
         warmup = o.warmup_steps if self.explicit_warmup else default_warmup_steps(planned)
         return lr_at(self.steps, o.lr, o.min_lr, warmup, planned)
 
-    def train_step(self, clock_s: float, budget_s: float, rows: Optional[int] = None) -> tuple[torch.Tensor, int]:
-        """One step of `rows` sequences (default the schedule's); (loss, tokens trained on)."""
+    def train_step(self, clock_s: float, budget_s: float) -> tuple[torch.Tensor, int]:
+        """One step of `rows` sequences; (loss, tokens trained on)."""
         self.step.set_lr(self.lr(clock_s, budget_s))
-        rows = rows or self.batch_size(clock_s, budget_s)
-        b = self.sampler.train(self.steps)
-        docs = None if b.doc_ids is None else b.doc_ids[:rows]
-        loss, _ = self.step(b.inputs[:rows], b.targets[:rows], docs, want_norm=False)
+        batch = self.sampler.train(self.steps).first(self.rows)
+        loss, _ = self.step(batch.inputs, batch.targets, batch.doc_ids, want_norm=False)
         self.steps += 1
-        tokens = rows * self.config.model.context_length
+        tokens = self.rows * self.config.model.context_length
         self.tokens += tokens
         return loss, tokens
 
@@ -217,23 +207,24 @@ def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
     return False
 
 
-def warm_up(run: RecipeRun, budget_s: float, say: Say) -> None:
-    """The steps that compile and capture (trained on, as train.py's, but timed apart)."""
+def warm_up(run: RecipeRun, clock_s: float, budget_s: float, say: Say) -> None:
+    """The steps that compile and capture, at the batch size of `clock_s` (trained on, as train.py's, but timed
+    apart): at the start, and again where the batch-size schedule changes the shape."""
+    run.rows = run.config.data.batch_size_at(clock_s / budget_s)
     n = warm_up_steps(run.config)
     start = time.perf_counter()
-    for rows in run.batch_sizes():  # each batch shape compiles and captures its own graph
-        for _ in range(n):
-            run.train_step(0.0, budget_s, rows)
+    for _ in range(n):
+        run.train_step(clock_s, budget_s)
     synchronize(run.step.device)
-    run.warmup_s = time.perf_counter() - start
+    run.warmup_s += time.perf_counter() - start
     if n:
-        n *= len(run.batch_sizes())
-        say(f"{run.size} {run.label}: warm-up {run.warmup_s:.1f} s for {n} step{'s' * (n > 1)} (not on the clock)")
+        say(f"{run.size} {run.label}: warm-up {time.perf_counter() - start:.1f} s for {n} step{'s' * (n > 1)} of "
+            f"{run.rows} sequences (not on the clock)")
 
 
 def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> None:
     """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end)."""
-    warm_up(run, budget_s, say)
+    warm_up(run, 0.0, budget_s, say)
     clock, loss = Clock(run.step.device), None
     try:
         if not record(run, clock, loss):
@@ -241,6 +232,9 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> N
         next_eval = interval_s
         clock.start()
         while clock.read() < budget_s:
+            if run.config.data.batch_size_at(clock.read() / budget_s) != run.rows:
+                warm_up(run, clock.stop(), budget_s, say)
+                clock.start()
             loss, tokens = run.train_step(clock.read(), budget_s)
             clock.step_done()
             run.timed_steps += 1

@@ -43,7 +43,7 @@ class GraphedStep:
                                  "(its step count must live on the GPU, not be baked into the graph)")
         self.step_fn, self.optimizer, self.warmup = step_fn, optimizer, warmup
         self.calls = 0
-        self.shapes = None  # the input shapes of the first call
+        self.shapes = None  # the inputs' shapes, from the first call
         self.graph = None
         self.static_inputs: tuple[torch.Tensor, ...] = ()
         self.static_outputs: tuple[torch.Tensor, ...] = ()

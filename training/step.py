@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -105,8 +105,7 @@ class TrainingStep:
     config: Config
     device: torch.device
     grad_norm: bool = True  # return the global gradient norm (bench_model times the step without it)
-    graphed: Optional[GraphedStep] = None  # the graph of the first batch shape
-    other_graphs: dict[tuple, GraphedStep] = field(default_factory=dict)  # one per later shape (a batch schedule)
+    graphed: Optional[GraphedStep] = None
     after_update: Optional[Callable[[], None]] = None  # run after each optimizer step (float8 scales under FSDP)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, model: Optional[Callable] = None,
@@ -192,14 +191,11 @@ class TrainingStep:
         set_lr(self.optimizer, lr)
 
     def _graph_for(self, inputs: tuple[torch.Tensor, ...]) -> GraphedStep:
-        """The graph of these inputs' shapes: the first graph takes the first shape it sees, each other its own."""
-        shapes = tuple(t.shape for t in inputs)
-        first = self.graphed
-        if first.shapes is None or first.shapes == shapes:
-            return first
-        if shapes not in self.other_graphs:
-            self.other_graphs[shapes] = GraphedStep(self.eager_step, self.optimizer, warmup=first.warmup)
-        return self.other_graphs[shapes]
+        """The graph of these inputs' shapes. A new shape (the batch-size schedule) replaces the graph, which warms
+        up and captures again; the old one's memory is let go, as a schedule does not go back."""
+        if self.graphed.shapes not in (None, tuple(t.shape for t in inputs)):
+            self.graphed = GraphedStep(self.eager_step, self.optimizer, warmup=self.graphed.warmup)
+        return self.graphed
 
 
 def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = None, grad_norm: bool = True,

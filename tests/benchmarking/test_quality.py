@@ -58,9 +58,9 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
     monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
     real_step = RecipeRun.train_step
 
-    def step(self, clock_s, budget_s, rows=None):
+    def step(self, clock_s, budget_s):
         fake.now += 0.25
-        return real_step(self, clock_s, budget_s, rows)
+        return real_step(self, clock_s, budget_s)
 
     def evaluate(self):
         fake.now += 5.0
@@ -77,26 +77,26 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
     assert run.points[0]["train_loss"] is None and run.points[-1]["train_loss"] is not None
 
 
-def test_a_batch_schedule_trains_the_start_batch_for_its_share_of_the_budget_then_the_full_one(monkeypatch):
+def test_a_batch_size_schedule_trains_the_start_batch_for_its_share_of_the_budget_then_the_whole_one(monkeypatch):
     fake = FakeTime()
     monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
     real_step, rows_seen = RecipeRun.train_step, []
 
-    def step(self, clock_s, budget_s, rows=None):
+    def step(self, clock_s, budget_s):
         fake.now += 0.25
-        loss, tokens = real_step(self, clock_s, budget_s, rows)
+        loss, tokens = real_step(self, clock_s, budget_s)
         rows_seen.append(tokens // TINY.context_length)
         return loss, tokens
 
     monkeypatch.setattr(RecipeRun, "train_step", step)
-    overrides = {**OVERRIDES, ("data", "batch_size_start"): 2, ("data", "batch_ramp"): 0.5}
+    overrides = {**OVERRIDES, ("data", "batch_size_start"): 2, ("data", "batch_start_fraction"): 0.5}
     config, explicit = quality.resolved_config("adamw", TINY, overrides)
     run = quality.build_run("adamw", "tiny", config, explicit, _source())
     quality.train_for(run, budget_s=2.0, interval_s=1.0, say=lambda line: None)
     assert rows_seen == [2, 2, 2, 2, 4, 4, 4, 4]  # the first half of the budget at 2 rows, the rest at 4
     assert (run.tokens, run.timed_tokens) == (24 * 32, 24 * 32)
     assert [p["tokens"] for p in run.points] == [0, 8 * 32, 24 * 32]
-    with pytest.raises(ConfigError, match="^recipe adamw: --batch-size-start 3 must be a multiple"):
+    with pytest.raises(ConfigError, match="^recipe adamw: --batch-size-start 3, like --batch-size, must be"):
         quality.resolved_config("adamw", TINY, {**overrides, ("data", "batch_size_start"): 3,
                                                 ("execution", "grad_accum_steps"): 2})
 
