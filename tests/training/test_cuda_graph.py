@@ -215,8 +215,8 @@ def test_a_new_batch_shape_warms_up_and_captures_again_and_trains_like_the_eager
 
 @requires_cuda
 def test_the_speedrun_recipe_compiled_and_graphed_with_flash_trains_like_its_eager_step():
-    """The recipe's model options and Muon under compile and a CUDA graph, with flash: the losses of the eager step,
-    in bf16."""
+    """The recipe's model options, Muon and its batch-size schedule (2 rows, then 4: compiled and captured again)
+    under compile and a CUDA graph, with flash: the losses of the eager step, in bf16."""
     from training.recipes import recipe_sections
 
     sections = recipe_sections("speedrun")
@@ -227,9 +227,10 @@ def test_the_speedrun_recipe_compiled_and_graphed_with_flash_trains_like_its_eag
                                  optim=sections["optim"])
         initial = {name: p.detach().clone() for name, p in model.named_parameters()}
         row = []
-        for x, y in _batches(6, "cuda"):
+        for i, (x, y) in enumerate(_batches(9, "cuda")):
             step.set_lr(1e-3)
-            row.append(step(x, y)[0].item())
+            rows = 2 if i < 4 else 4
+            row.append(step(x[:rows], y[:rows])[0].item())
         losses.append(row)
         # Every parameter is updated (random tokens leave the loss little to fall by: ln 256 is the floor).
         assert [n for n, p in model.named_parameters() if torch.equal(p, initial[n])] == []
