@@ -18,6 +18,7 @@ are those of its first evaluation at or below it (a resolution of --eval-interva
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -31,7 +32,7 @@ from benchmarking.oom import free_memory
 from benchmarking.timing import synchronize
 from model import ModelConfig, TransformerLM
 from training import cli
-from training.config import Config, ConfigError, default_warmup_steps, resolve
+from training.config import Config, ConfigError, DataConfig, default_warmup_steps, resolve
 from training.data import DataSource, open_source, vocab_of
 from training.data.sampling import Sampler
 from training.evaluation import Evaluation, evaluate
@@ -131,6 +132,7 @@ class RecipeRun:
     config: Config
     step: TrainingStep
     sampler: Sampler
+    val_sampler: Sampler  # the validation rows: the same for every recipe, whatever its batch size
     token_bytes: torch.Tensor
     explicit_warmup: bool  # the recipe or a flag set --warmup-steps; else the budget's default
     points: list[dict[str, Any]] = field(default_factory=list)  # one per evaluation
@@ -170,15 +172,16 @@ class RecipeRun:
         """Bits per byte on the fixed validation batches (the same for every recipe: drawn by seed and index)."""
         model, n = self.step.model, self.config.execution.grad_accum_steps
         model.eval()
-        batches = (part for b in self.sampler.val(self.config.run.eval_batches) for part in split(b, n))
+        batches = (part for b in self.val_sampler.val(self.config.run.eval_batches) for part in split(b, n))
         result = evaluate(self.step.loss, batches, self.token_bytes)
         model.train()
         return result
 
 
-def build_run(spec: str, size: str, config: Config, explicit: frozenset, source: DataSource) -> RecipeRun:
+def build_run(spec: str, size: str, config: Config, explicit: frozenset, source: DataSource,
+              val_rows: int) -> RecipeRun:
     """The recipe's model (from the run's seed) and step, and the run's batches; `explicit`: the fields the recipe
-    and the flags set."""
+    and the flags set; `val_rows`: the rows of each validation batch (validation_rows)."""
     device = torch.device(config.execution.device)
     if config.execution.compile:
         torch._dynamo.reset()  # fresh caches for each recipe: no recompile limit reached across them
@@ -189,7 +192,15 @@ def build_run(spec: str, size: str, config: Config, explicit: frozenset, source:
     sampler = Sampler(source, config.data.batch_size, config.model.context_length, config.run.seed,
                       device=device, packed=config.data.pack_documents)
     token_bytes = torch.as_tensor(source.token_bytes, device=device)
-    return RecipeRun(recipe_label(spec), size, config, step, sampler, token_bytes, "warmup_steps" in explicit)
+    val_sampler = dataclasses.replace(sampler, batch_size=val_rows)
+    return RecipeRun(recipe_label(spec), size, config, step, sampler, val_sampler, token_bytes,
+                     "warmup_steps" in explicit)
+
+
+def validation_rows(settings: QualitySettings) -> int:
+    """Sequences in each validation batch, for every recipe: --batch-size if given, else train.py's default. A
+    recipe's own batch size must not choose them: more rows are other rows, and their bits per byte differ."""
+    return settings.overrides.get(("data", "batch_size"), DataConfig().batch_size)
 
 
 def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
@@ -315,7 +326,7 @@ def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: Dat
     its outcome and the comparison goes on; a Ctrl-C propagates, the evaluations so far kept."""
     (config, explicit), run, failure = planned, None, None
     try:
-        run = build_run(spec, size, config, explicit, source)
+        run = build_run(spec, size, config, explicit, source, validation_rows(settings))
         train_for(run, settings.budget_s, settings.interval_s, say)
     except torch.OutOfMemoryError as e:
         failure = ("OOM", str(e).splitlines()[0][:300])

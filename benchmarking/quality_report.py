@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 from benchmarking import report
 from benchmarking.model_memory import param_count
-from benchmarking.quality import Outcome, QualitySettings
+from benchmarking.quality import Outcome, QualitySettings, validation_rows
 from training.metrics import mfu
 
 # Every column of results.csv / results.json, with what it means (docs/benchmarks.md lists these).
@@ -173,8 +173,10 @@ def settings_line(settings: QualitySettings, goal: dict[str, tuple[Optional[floa
              if len(settings.devices) > 1 else "")
     return (f"Data: {settings.data or 'the built-in corpus'}. Each recipe trains the same model from seed "
             f"{settings.seed} on the same batches for {settings.budget_s:g} s of training (the clock stops while it "
-            f"evaluates; the first steps, which compile and capture, are timed apart), and is scored every "
-            f"{settings.interval_s:g} s on {settings.eval_batches} fixed validation batches.{where} Target: {aims}.")
+            f"evaluates; the steps that compile and capture, at the start and where a batch-size schedule changes "
+            f"the batch, are timed apart), and is scored every {settings.interval_s:g} s on the same "
+            f"{settings.eval_batches} validation batches of {validation_rows(settings)} sequences.{where} "
+            f"Target: {aims}.")
 
 
 MARKDOWN_COLUMNS = {"size": "size", "recipe": "recipe", "optimizer": "optimizer", "lr": "lr", "steps": "steps",

@@ -69,7 +69,7 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
     monkeypatch.setattr(RecipeRun, "train_step", step)
     monkeypatch.setattr(RecipeRun, "evaluate", evaluate)
     config, explicit = quality.resolved_config("adamw", TINY, OVERRIDES)
-    run = quality.build_run("adamw", "tiny", config, explicit, _source())
+    run = quality.build_run("adamw", "tiny", config, explicit, _source(), 4)
     quality.train_for(run, budget_s=1.0, interval_s=0.5, say=lambda line: None)
     assert [(p["clock_s"], p["step"]) for p in run.points] == [(0.0, 0), (0.5, 2), (1.0, 4)]
     assert (run.train_s, run.steps, run.timed_steps) == (1.0, 4, 4)  # 15 s of evaluation, not on the clock
@@ -91,7 +91,7 @@ def test_a_batch_size_schedule_trains_the_start_batch_for_its_share_of_the_budge
     monkeypatch.setattr(RecipeRun, "train_step", step)
     overrides = {**OVERRIDES, ("data", "batch_size_start"): 2, ("data", "batch_start_fraction"): 0.5}
     config, explicit = quality.resolved_config("adamw", TINY, overrides)
-    run = quality.build_run("adamw", "tiny", config, explicit, _source())
+    run = quality.build_run("adamw", "tiny", config, explicit, _source(), 4)
     quality.train_for(run, budget_s=2.0, interval_s=1.0, say=lambda line: None)
     assert rows_seen == [2, 2, 2, 2, 4, 4, 4, 4]  # the first half of the budget at 2 rows, the rest at 4
     assert (run.tokens, run.timed_tokens) == (24 * 32, 24 * 32)
@@ -99,6 +99,21 @@ def test_a_batch_size_schedule_trains_the_start_batch_for_its_share_of_the_budge
     with pytest.raises(ConfigError, match="^recipe adamw: --batch-size-start 3, like --batch-size, must be"):
         quality.resolved_config("adamw", TINY, {**overrides, ("data", "batch_size_start"): 3,
                                                 ("execution", "grad_accum_steps"): 2})
+
+
+def test_every_recipe_is_scored_on_the_same_validation_rows_whatever_its_batch_size(tmp_path):
+    path = tmp_path / "big-batch.json"
+    path.write_text(json.dumps({"data": {"batch_size": 32, "batch_size_start": 8}}))
+    overrides = {k: v for k, v in OVERRIDES.items() if k != ("data", "batch_size")}
+    assert quality.validation_rows(settings(overrides=overrides)) == 16  # train.py's default batch
+    assert quality.validation_rows(settings()) == 4  # --batch-size given: every recipe's
+    rows = []
+    for spec in ("adamw", str(path)):
+        config, explicit = quality.resolved_config(spec, TINY, overrides)
+        run = quality.build_run(spec, "tiny", config, explicit, _source(), 16)
+        rows.append([b.inputs for b in run.val_sampler.val(2)])
+    assert rows[0][0].shape == (16, TINY.context_length)
+    assert all(torch.equal(a, b) for a, b in zip(*rows))
 
 
 def _source():
@@ -109,7 +124,7 @@ def _source():
 
 def test_the_learning_rate_warms_up_then_decays_to_the_floor_as_the_budget_ends():
     config, _ = quality.resolved_config("adamw", TINY, OVERRIDES)
-    run = RecipeRun("adamw", "tiny", config, None, None, None, explicit_warmup=False)
+    run = RecipeRun("adamw", "tiny", config, None, None, None, None, explicit_warmup=False)
     lr, floor = config.optim.lr, config.optim.min_lr
     assert run.lr(0.0, 10.0) == pytest.approx(lr / 100)  # no speed yet: a long run's first warm-up step
     run.steps = run.timed_steps = 100
