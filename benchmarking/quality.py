@@ -138,14 +138,14 @@ class RecipeRun:
     points: list[dict[str, Any]] = field(default_factory=list)  # one per evaluation
     steps: int = 0  # all steps, warm-up ones included
     timed_steps: int = 0  # the steps on the clock
-    tokens: int = 0  # trained on, warm-up steps included
-    timed_tokens: int = 0  # those of the steps on the clock
-    rows: int = 0  # sequences a step takes now (the batch-size schedule's)
     train_s: float = 0.0  # the clock: seconds of training
     warmup_s: float = 0.0
     status: str = "ok"  # ok, diverged, interrupted, OOM, error
     message: str = ""
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.data.batch_size * self.config.model.context_length
 
     def lr(self, clock_s: float, budget_s: float) -> float:
         """The recipe's schedule (train.py's) over the steps that the budget holds at the speed so far."""
@@ -158,15 +158,12 @@ class RecipeRun:
         warmup = o.warmup_steps if self.explicit_warmup else default_warmup_steps(planned)
         return lr_at(self.steps, o.lr, o.min_lr, warmup, planned)
 
-    def train_step(self, clock_s: float, budget_s: float) -> tuple[torch.Tensor, int]:
-        """One step of `rows` sequences; (loss, tokens trained on)."""
+    def train_step(self, clock_s: float, budget_s: float) -> torch.Tensor:
         self.step.set_lr(self.lr(clock_s, budget_s))
-        batch = self.sampler.train(self.steps).first(self.rows)
+        batch = self.sampler.train(self.steps)
         loss, _ = self.step(batch.inputs, batch.targets, batch.doc_ids, want_norm=False)
         self.steps += 1
-        tokens = self.rows * self.config.model.context_length
-        self.tokens += tokens
-        return loss, tokens
+        return loss
 
     def evaluate(self) -> Evaluation:
         """Bits per byte on the fixed validation batches (the same for every recipe: drawn by seed and index)."""
@@ -199,7 +196,7 @@ def build_run(spec: str, size: str, config: Config, explicit: frozenset, source:
 
 def validation_rows(settings: QualitySettings) -> int:
     """Sequences in each validation batch, for every recipe: --batch-size if given, else train.py's default. A
-    recipe's own batch size must not choose them: more rows are other rows, and their bits per byte differ."""
+    recipe's own batch size must not choose them: other rows are other text, and their bits per byte differ."""
     return settings.overrides.get(("data", "batch_size"), DataConfig().batch_size)
 
 
@@ -209,7 +206,7 @@ def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
     result = run.evaluate()
     train_loss = None if loss is None else float(loss)
     run.points.append({"size": run.size, "recipe": run.label, "clock_s": clock_s, "step": run.steps,
-                       "tokens": run.tokens, "train_loss": train_loss,
+                       "tokens": run.steps * run.tokens_per_step, "train_loss": train_loss,
                        "val_loss": result.loss, "val_bpb": result.bpb})
     if math.isfinite(result.loss) and (train_loss is None or math.isfinite(train_loss)):
         return True
@@ -218,24 +215,21 @@ def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
     return False
 
 
-def warm_up(run: RecipeRun, clock_s: float, budget_s: float, say: Say) -> None:
-    """The steps that compile and capture, at the batch size of `clock_s` (trained on, as train.py's, but timed
-    apart): at the start, and again where the batch-size schedule changes the shape."""
-    run.rows = run.config.data.batch_size_at(clock_s / budget_s)
+def warm_up(run: RecipeRun, budget_s: float, say: Say) -> None:
+    """The steps that compile and capture (trained on, as train.py's, but timed apart)."""
     n = warm_up_steps(run.config)
     start = time.perf_counter()
     for _ in range(n):
-        run.train_step(clock_s, budget_s)
+        run.train_step(0.0, budget_s)
     synchronize(run.step.device)
-    run.warmup_s += time.perf_counter() - start
+    run.warmup_s = time.perf_counter() - start
     if n:
-        say(f"{run.size} {run.label}: warm-up {time.perf_counter() - start:.1f} s for {n} step{'s' * (n > 1)} of "
-            f"{run.rows} sequences (not on the clock)")
+        say(f"{run.size} {run.label}: warm-up {run.warmup_s:.1f} s for {n} step{'s' * (n > 1)} (not on the clock)")
 
 
 def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> None:
     """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end)."""
-    warm_up(run, 0.0, budget_s, say)
+    warm_up(run, budget_s, say)
     clock, loss = Clock(run.step.device), None
     try:
         if not record(run, clock, loss):
@@ -243,13 +237,9 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> N
         next_eval = interval_s
         clock.start()
         while clock.read() < budget_s:
-            if run.config.data.batch_size_at(clock.read() / budget_s) != run.rows:
-                warm_up(run, clock.stop(), budget_s, say)
-                clock.start()
-            loss, tokens = run.train_step(clock.read(), budget_s)
+            loss = run.train_step(clock.read(), budget_s)
             clock.step_done()
             run.timed_steps += 1
-            run.timed_tokens += tokens
             if clock.read() >= next_eval:
                 if not record(run, clock, loss):
                     return
@@ -285,8 +275,6 @@ class Outcome:
     points: list[dict[str, Any]]
     steps: int = 0
     timed_steps: int = 0
-    tokens: int = 0
-    timed_tokens: int = 0
     train_s: float = 0.0
     warmup_s: float = 0.0
     status: str = "ok"
@@ -294,8 +282,8 @@ class Outcome:
 
     @classmethod
     def of(cls, run: RecipeRun) -> "Outcome":
-        return cls(run.size, run.label, run.config, run.points, run.steps, run.timed_steps, run.tokens,
-                   run.timed_tokens, run.train_s, run.warmup_s, run.status, run.message)
+        return cls(run.size, run.label, run.config, run.points, run.steps, run.timed_steps, run.train_s,
+                   run.warmup_s, run.status, run.message)
 
 
 def open_data(settings: QualitySettings, context_length: int) -> DataSource:

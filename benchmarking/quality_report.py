@@ -86,11 +86,12 @@ def row(outcome: Outcome, target: Optional[float], settings: QualitySettings) ->
         r.update(optimizer=c.optim.optimizer, lr=c.optim.lr, params=param_count(c.model),
                  context_length=c.model.context_length, batch_size=c.data.batch_size, attn=ex.attn, dtype=ex.dtype,
                  compile=ex.compile, cuda_graph=ex.cuda_graph)
-    r.update(train_s=outcome.train_s, warmup_s=outcome.warmup_s, steps=outcome.steps, tokens=outcome.tokens,
-             evals=len(outcome.points))
+    tokens_per_step = c.data.batch_size * c.model.context_length if c else 0
+    r.update(train_s=outcome.train_s, warmup_s=outcome.warmup_s, steps=outcome.steps,
+             tokens=outcome.steps * tokens_per_step, evals=len(outcome.points))
     if outcome.timed_steps and outcome.train_s > 0:
         r["ms_per_step"] = 1e3 * outcome.train_s / outcome.timed_steps
-        r["tokens_per_s"] = outcome.timed_tokens / outcome.train_s
+        r["tokens_per_s"] = outcome.timed_steps * tokens_per_step / outcome.train_s
         r["mfu"] = mfu(c.model, r["tokens_per_s"], c.execution.device)
     final = final_point(outcome)
     if final:
@@ -173,10 +174,9 @@ def settings_line(settings: QualitySettings, goal: dict[str, tuple[Optional[floa
              if len(settings.devices) > 1 else "")
     return (f"Data: {settings.data or 'the built-in corpus'}. Each recipe trains the same model from seed "
             f"{settings.seed} on the same batches for {settings.budget_s:g} s of training (the clock stops while it "
-            f"evaluates; the steps that compile and capture, at the start and where a batch-size schedule changes "
-            f"the batch, are timed apart), and is scored every {settings.interval_s:g} s on the same "
-            f"{settings.eval_batches} validation batches of {validation_rows(settings)} sequences.{where} "
-            f"Target: {aims}.")
+            f"evaluates; the first steps, which compile and capture, are timed apart), and is scored every "
+            f"{settings.interval_s:g} s on the same {settings.eval_batches} validation batches of "
+            f"{validation_rows(settings)} sequences.{where} Target: {aims}.")
 
 
 MARKDOWN_COLUMNS = {"size": "size", "recipe": "recipe", "optimizer": "optimizer", "lr": "lr", "steps": "steps",

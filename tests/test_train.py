@@ -293,10 +293,6 @@ def test_resume_needs_no_model_flags_and_refuses_one_that_changes_the_model(tmp_
         (["--optimizer", "fp8"], 2, "unknown --optimizer 'fp8'; valid: adamw, adamw-bf16"),
         (["--grad-accum-steps", "3"], 2, r"--grad-accum-steps 3 must divide the sequences per rank and step \(4\)"),
         (["--profile-steps", "0"], 2, "--profile-steps must be >= 1, got 0"),
-        (["--batch-size-start", "3", "--grad-accum-steps", "2"], 2,
-         r"--batch-size-start 3, like --batch-size, must be divisible by the 1 rank\(s\) times --grad-accum-steps 2"),
-        (["--batch-size-start", "2", "--batch-start-fraction", "0"], 2, r"--batch-start-fraction must be in \(0, 1\]"),
-        (["--batch-size-start", "4"], 2, "--batch-size-start 4 must be below --batch-size 4, which it grows to"),
         (["--profile", __file__], 2, f"--profile {__file__}: exists and is not a directory"),
     ],
 )
@@ -372,20 +368,6 @@ def test_micro_batches_train_and_evaluate_like_the_whole_batch(tmp_path, text_fi
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                      rel=1e-4)
     assert micro[-1]["val_loss"] == pytest.approx(whole[-1]["val_loss"], abs=1e-5)
-
-
-def test_a_batch_size_schedule_trains_the_first_rows_of_each_draw_then_the_whole_batch(tmp_path, text_file, capsys):
-    """--batch-size-start 2 for half of 4 steps: those steps are a run of batch 2 (the first rows of each step's
-    draw); the tokens per second count the rows trained."""
-    flags = ("--steps", "4", "--log-every", "1", "--eval-every", "4", "--grad-clip", "0")
-    code, scheduled, _ = run(tmp_path, text_file, *flags, "--batch-size-start", "2", "--batch-start-fraction", "0.5")
-    assert code == 0 and "batches of 2 to step 2, then 4 x 32 tokens" in capsys.readouterr().out
-    code, small, _ = run(tmp_path, text_file, *flags, "--batch-size", "2", name="small")
-    assert code == 0
-    assert [r["loss"] for r in scheduled[:2]] == pytest.approx([r["loss"] for r in small[:2]], abs=1e-6)
-    assert scheduled[2]["loss"] != pytest.approx(small[2]["loss"], abs=1e-4)
-    rows = [r["tokens_per_s"] * r["step_ms"] / 1000 / 32 for r in scheduled]  # tokens a step / context length
-    assert rows == pytest.approx([2, 2, 4, 4])
 
 
 def test_corpus_shorter_than_a_window(tmp_path, capsys):
@@ -476,19 +458,6 @@ def test_cuda_graph_trains_like_the_plain_step_and_resumes(tmp_path, text_file):
     code, _, _ = run(tmp_path, text_file, *gpu[:2], "--steps", "14", "--log-every", "1", "--eval-every", "0",
                      "--dtype", "fp32", "--no-compile", "--cuda-graph", "--resume", name="graphed")
     assert code == 0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_a_batch_size_schedule_graphed_trains_like_the_plain_step(tmp_path, text_file):
-    """The batch grows at step 5: the graphed run warms up and captures again for the new shape."""
-    gpu = ("--device", "cuda", "--steps", "10", "--log-every", "1", "--eval-every", "10", "--dtype", "fp32",
-           "--no-compile", "--batch-size-start", "2", "--batch-start-fraction", "0.5")
-    code, plain, _ = run(tmp_path, text_file, *gpu, "--no-cuda-graph", name="plain")
-    assert code == 0
-    code, graphed, _ = run(tmp_path, text_file, *gpu, "--cuda-graph", name="graphed")
-    assert code == 0
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close([r[key] for r in graphed], [r[key] for r in plain], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow  # train.py runs and resumes

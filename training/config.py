@@ -100,19 +100,10 @@ class DataConfig:
     vocab_size: Optional[int] = option(None, "vocabulary; default the data's (256 for bytes, the tokenizer's, 10000 "
                                              "for synthetic tokens)")
     batch_size: int = option(16, "sequences per optimizer step (all ranks together)", True)
-    batch_size_start: int = option(0, "sequences per step for the first --batch-start-fraction of the run, then "
-                                      "--batch-size (0: --batch-size throughout)")
-    batch_start_fraction: float = option(0.5, "the share of the run (of --steps; of a time-to-quality budget) "
-                                              "trained at --batch-size-start")
     pack_documents: bool = option(False, "prepared data: rows start at document starts; attention stays within each "
                                          "document and RoPE restarts at each", True)
     data_changed: bool = option(False, "--resume on data other than the run's (another corpus or tokenizer): meant, "
                                        "and recorded in the run's data.json and metrics")
-
-    def batch_size_at(self, progress: float) -> int:
-        """Sequences in a step at `progress` (the share of the run done, 0 to 1): the batch-size schedule."""
-        early = self.batch_size_start and progress < self.batch_start_fraction
-        return self.batch_size_start if early else self.batch_size
 
 
 @dataclass(frozen=True)
@@ -255,8 +246,7 @@ def _check_values(config: Config) -> None:
         raise ConfigError(f"unknown --optimizer {op.optimizer!r}; valid: {', '.join(optimizer_names())}")
     at_least = {"--batch-size": (da.batch_size, 1), "--steps": (ru.steps, 1), "--eval-batches": (ru.eval_batches, 1),
                 "--log-every": (ru.log_every, 1), "--grad-accum-steps": (ex.grad_accum_steps, 1),
-                "--vocab-size": (da.vocab_size, 1), "--batch-size-start": (da.batch_size_start, 0),
-                "--eval-every": (ru.eval_every, 0),
+                "--vocab-size": (da.vocab_size, 1), "--eval-every": (ru.eval_every, 0),
                 "--ckpt-every": (ru.ckpt_every, 0), "--keep-checkpoints": (ru.keep_checkpoints, 0),
                 "--profile-steps": (ru.profile_steps, 1),
                 "--grad-clip": (op.grad_clip, 0), "--warmup-steps": (op.warmup_steps, 0), "--lr": (op.lr, 0),
@@ -264,8 +254,6 @@ def _check_values(config: Config) -> None:
     for flag, (value, least) in at_least.items():
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be >= {least}, got {value:g}")
-    if not 0 < da.batch_start_fraction <= 1:
-        raise ConfigError(f"--batch-start-fraction must be in (0, 1], got {da.batch_start_fraction:g}")
     if op.embed_lr_scale <= 0:
         raise ConfigError(f"--embed-lr-scale must be > 0, got {op.embed_lr_scale:g}")
     if ex.dist_timeout <= 0:
@@ -320,13 +308,6 @@ def _check_combinations(config: Config, device: torch.device, world_size: int) -
     if per_rank % ex.grad_accum_steps:
         raise ConfigError(f"--grad-accum-steps {ex.grad_accum_steps} must divide the sequences per rank and step "
                           f"({per_rank})")
-    start = config.data.batch_size_start
-    if start >= config.data.batch_size:
-        raise ConfigError(f"--batch-size-start {start} must be below --batch-size {config.data.batch_size}, which it "
-                          "grows to (0: no schedule)")
-    if start % (world_size * ex.grad_accum_steps):
-        raise ConfigError(f"--batch-size-start {start}, like --batch-size, must be divisible by the {world_size} "
-                          f"rank(s) times --grad-accum-steps {ex.grad_accum_steps}")
 
 
 def backend_problem(attn: str, device: torch.device | str, dtype: torch.dtype, d_head: int, training: bool = True,

@@ -43,7 +43,6 @@ class GraphedStep:
                                  "(its step count must live on the GPU, not be baked into the graph)")
         self.step_fn, self.optimizer, self.warmup = step_fn, optimizer, warmup
         self.calls = 0
-        self.shapes = None  # the inputs' shapes, from the first call
         self.graph = None
         self.static_inputs: tuple[torch.Tensor, ...] = ()
         self.static_outputs: tuple[torch.Tensor, ...] = ()
@@ -58,8 +57,6 @@ class GraphedStep:
             if not t.is_cuda:
                 raise ValueError(f"a CUDA-graphed step needs CUDA tensors, got one on {t.device}")
         self.calls += 1
-        if self.shapes is None:
-            self.shapes = tuple(t.shape for t in inputs)
         if self.graph is not None:
             self._check_like_static(inputs)
             for static, t in zip(self.static_inputs, inputs):

@@ -33,14 +33,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("muon", f"Muon for the blocks' matrices, AdamW for the rest (training/optim/muon.py), lr {MUON_LR:g} "
                    "(2x adamw's, from a CPU sweep)",
            {"optim": {"optimizer": "muon", "lr": MUON_LR}}),
-    Recipe("speedrun", "muon plus the changes that paid in the time-to-quality benchmark (docs/training.md): "
+    Recipe("speedrun", "muon plus the architecture changes that paid in the time-to-quality benchmark (docs/training.md): "
                        "QK-norm, the ReLU² MLP, zero-initialised residual projections, windows of 256 in three "
-                       "layers of four, logits soft-capped at 15, the embedding's learning rate 10x, batches of 16 "
-                       "sequences for the first half of the run and 32 after",
+                       "layers of four, logits soft-capped at 15, the embedding's learning rate 10x",
            {"optim": {"optimizer": "muon", "lr": MUON_LR, "embed_lr_scale": 10.0},
             "model": {"qk_norm": True, "mlp": "relu2", "zero_init_residual": True, "window": 256,
-                      "window_pattern": "LLLG", "logit_softcap": 15.0},
-            "data": {"batch_size": 32, "batch_size_start": 16, "batch_start_fraction": 0.5}}),
+                      "window_pattern": "LLLG", "logit_softcap": 15.0}}),
 )}
 
 

@@ -179,7 +179,7 @@ class TrainingStep:
         gradients after the step, so that steps that log nothing (and a captured graph) do not pay for it."""
         inputs = (x, y) if doc_ids is None else (x, y, doc_ids)
         # A graph keeps its gradients in its pool until the next replay; an eager step's are cleared after it.
-        out = self._graph_for(inputs)(*inputs) if self.graphed is not None else self.eager_step(*inputs)
+        out = self.graphed(*inputs) if self.graphed is not None else self.eager_step(*inputs)
         norm = out[1] if len(out) > 1 else None
         if norm is None and want_norm and self.grad_norm:
             norm = self.gradient_norm()
@@ -189,13 +189,6 @@ class TrainingStep:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
-
-    def _graph_for(self, inputs: tuple[torch.Tensor, ...]) -> GraphedStep:
-        """The graph of these inputs' shapes. A new shape (the batch-size schedule) replaces the graph, which warms
-        up and captures again; the old one's memory is let go, as a schedule does not go back."""
-        if self.graphed.shapes not in (None, tuple(t.shape for t in inputs)):
-            self.graphed = GraphedStep(self.eager_step, self.optimizer, warmup=self.graphed.warmup)
-        return self.graphed
 
 
 def build_step(model: nn.Module, config: Config, ctx: Optional[DistContext] = None, grad_norm: bool = True,

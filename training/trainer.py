@@ -141,7 +141,7 @@ class Trainer:
                 f"{''.join(', ' + v for v in variants)}, context {m.context_length}, vocabulary {m.vocab_size}; "
                 f"attention {c.execution.attn} on {self.ctx.device}{ranks}\n"
                 f"data: {self.source.description}: {len(self.source.train):,} train / {len(self.source.val):,} val "
-                f"tokens; batches of {batch_words(c)} x {m.context_length} tokens"
+                f"tokens; batches of {c.data.batch_size} x {m.context_length} tokens"
                 f"{', packed by documents' if c.data.pack_documents else ''}; "
                 f"{flops_per_token(m) / 1e9:.2f} GFLOP per token\n"
                 f"steps {self.state.step} to {c.run.steps}, {c.optim.optimizer} lr {c.optim.lr:g} (warm-up "
@@ -181,7 +181,7 @@ class Trainer:
     def _loop(self, stop: StopRequest, progress: Progress) -> None:
         run, state, first = self.config.run, self.state, self.state.step
         warm = min(warm_up_steps(self.config), run.steps - first)
-        window = Window(time.perf_counter(), 0, 0)
+        window = Window(time.perf_counter(), 0)
         if warm:
             progress.write(f"warming up: the first {warm} step{'s' * (warm > 1)} compile"
                            f"{' and capture the CUDA graph' if self.config.execution.cuda_graph else ''} (timed apart)")
@@ -211,13 +211,11 @@ class Trainer:
             early = not warm and state.step == first
             if profiler is not None:
                 profiler.before_step(state.step)
-            rows = self.config.data.batch_size_at(state.step / run.steps)
-            loss, grad_norm, lr = self._train_step(state.step, rows, early or self._due(state.step + 1))
+            loss, grad_norm, lr = self._train_step(state.step, early or self._due(state.step + 1))
             state.step += 1
             if profiler is not None and (line := profiler.after_step(state.step)) and self.ctx.is_main:
                 progress.write(line)
             window.steps += 1
-            window.tokens += rows * self.config.model.context_length
             progress.update(1)
             stop_now = distributed.any_rank(stop.requested, self.ctx)  # every rank stops at the same step
             due = early or self._due(state.step, stop_now)
@@ -231,15 +229,14 @@ class Trainer:
                 signum = distributed.max_over_ranks({"signum": float(stop.signum or 0)}, self.ctx)["signum"]
                 state.exit_code = stop_status(int(signum))
                 return
-            window.start, window.steps, window.tokens = time.perf_counter(), 0, 0
+            window.start, window.steps = time.perf_counter(), 0
         state.exit_code = 0
 
-    def _train_step(self, step: int, rows: int, report: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
-        """A step of `rows` sequences (all ranks together)."""
+    def _train_step(self, step: int, report: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
         o = self.config.optim
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, self.config.run.steps)
         self.step_fn.set_lr(lr)
-        batch = self.sampler.train(step).first(rows // self.ctx.world_size)
+        batch = self.sampler.train(step)
         loss, grad_norm = self.step_fn(batch.inputs, batch.targets, batch.doc_ids, want_norm=report)
         return loss, grad_norm, lr
 
@@ -251,7 +248,7 @@ class Trainer:
         progress.write(f"warm-up: {time.perf_counter() - window.start:.1f} s for {warm} step{'s' * (warm > 1)}; "
                        "logged step times start after it")
         if reset:
-            window.start, window.steps, window.tokens = time.perf_counter(), 0, 0
+            window.start, window.steps = time.perf_counter(), 0
         progress.restart_clock()
 
     def _due(self, step: int, stop_now: bool = False) -> bool:
@@ -300,7 +297,7 @@ class Trainer:
             torch.cuda.synchronize(self.ctx.device)
         elapsed = time.perf_counter() - window.start
         steps = max(window.steps, 1)
-        tokens_per_s = window.tokens / elapsed
+        tokens_per_s = self.config.data.batch_size * self.config.model.context_length * steps / elapsed
         figures = {"step_ms": 1000 * elapsed / steps, "tokens_per_s": tokens_per_s,
                    "mfu": mfu(self.config.model, tokens_per_s, self.ctx.device, n_devices=self.ctx.world_size)}
         return {**figures, **distributed.max_over_ranks(cuda_memory_gib(self.ctx.device), self.ctx)}
@@ -383,7 +380,6 @@ class Window:
 
     start: float
     steps: int
-    tokens: int  # all ranks' together
 
 
 def split(batch: Any, n: int) -> list[Any]:
@@ -394,14 +390,6 @@ def split(batch: Any, n: int) -> list[Any]:
         return [batch]
     docs = batch.doc_ids.chunk(n) if batch.doc_ids is not None else [None] * n
     return [Batch(x, y, d) for x, y, d in zip(batch.inputs.chunk(n), batch.targets.chunk(n), docs)]
-
-
-def batch_words(config: Config) -> str:
-    """The sequences per step, with the batch-size schedule's switch: '16', or '8 to step 500, then 16'."""
-    d = config.data
-    if not d.batch_size_start:
-        return f"{d.batch_size}"
-    return f"{d.batch_size_start} to step {math.ceil(d.batch_start_fraction * config.run.steps)}, then {d.batch_size}"
 
 
 def format_postfix(m: dict[str, Any]) -> str:

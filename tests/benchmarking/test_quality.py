@@ -77,33 +77,9 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
     assert run.points[0]["train_loss"] is None and run.points[-1]["train_loss"] is not None
 
 
-def test_a_batch_size_schedule_trains_the_start_batch_for_its_share_of_the_budget_then_the_whole_one(monkeypatch):
-    fake = FakeTime()
-    monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
-    real_step, rows_seen = RecipeRun.train_step, []
-
-    def step(self, clock_s, budget_s):
-        fake.now += 0.25
-        loss, tokens = real_step(self, clock_s, budget_s)
-        rows_seen.append(tokens // TINY.context_length)
-        return loss, tokens
-
-    monkeypatch.setattr(RecipeRun, "train_step", step)
-    overrides = {**OVERRIDES, ("data", "batch_size_start"): 2, ("data", "batch_start_fraction"): 0.5}
-    config, explicit = quality.resolved_config("adamw", TINY, overrides)
-    run = quality.build_run("adamw", "tiny", config, explicit, _source(), 4)
-    quality.train_for(run, budget_s=2.0, interval_s=1.0, say=lambda line: None)
-    assert rows_seen == [2, 2, 2, 2, 4, 4, 4, 4]  # the first half of the budget at 2 rows, the rest at 4
-    assert (run.tokens, run.timed_tokens) == (24 * 32, 24 * 32)
-    assert [p["tokens"] for p in run.points] == [0, 8 * 32, 24 * 32]
-    with pytest.raises(ConfigError, match="^recipe adamw: --batch-size-start 3, like --batch-size, must be"):
-        quality.resolved_config("adamw", TINY, {**overrides, ("data", "batch_size_start"): 3,
-                                                ("execution", "grad_accum_steps"): 2})
-
-
 def test_every_recipe_is_scored_on_the_same_validation_rows_whatever_its_batch_size(tmp_path):
     path = tmp_path / "big-batch.json"
-    path.write_text(json.dumps({"data": {"batch_size": 32, "batch_size_start": 8}}))
+    path.write_text(json.dumps({"data": {"batch_size": 32}}))
     overrides = {k: v for k, v in OVERRIDES.items() if k != ("data", "batch_size")}
     assert quality.validation_rows(settings(overrides=overrides)) == 16  # train.py's default batch
     assert quality.validation_rows(settings()) == 4  # --batch-size given: every recipe's
@@ -112,7 +88,7 @@ def test_every_recipe_is_scored_on_the_same_validation_rows_whatever_its_batch_s
         config, explicit = quality.resolved_config(spec, TINY, overrides)
         run = quality.build_run(spec, "tiny", config, explicit, _source(), 16)
         rows.append([b.inputs for b in run.val_sampler.val(2)])
-    assert rows[0][0].shape == (16, TINY.context_length)
+    assert run.sampler.batch_size == 32 and rows[0][0].shape == (16, TINY.context_length)
     assert all(torch.equal(a, b) for a, b in zip(*rows))
 
 
@@ -139,9 +115,8 @@ def outcome(recipe: str, bpbs: list[float], size: str = "tiny", status: str = "o
     config = Config(model=TINY).replace(execution={"device": "cpu", "dtype": "fp32"}, data={"batch_size": 4})
     points = [{"size": size, "recipe": recipe, "clock_s": 10.0 * i, "step": 5 * i, "tokens": 5 * i * 128,
                "train_loss": None, "val_loss": b * 0.69, "val_bpb": b} for i, b in enumerate(bpbs)]
-    steps = 5 * (len(bpbs) - 1)
-    return Outcome(size, recipe, config, points, steps=steps, timed_steps=steps, tokens=steps * 128,
-                   timed_tokens=steps * 128, train_s=10.0 * (len(bpbs) - 1), status=status)
+    return Outcome(size, recipe, config, points, steps=5 * (len(bpbs) - 1), timed_steps=5 * (len(bpbs) - 1),
+                   train_s=10.0 * (len(bpbs) - 1), status=status)
 
 
 def test_the_target_is_the_first_recipes_final_value_or_the_one_given():

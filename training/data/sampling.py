@@ -25,13 +25,6 @@ class Batch:
     targets: torch.Tensor  # (rows, seq) int64: the inputs shifted by one
     doc_ids: Optional[torch.Tensor] = None  # (rows, seq) int64 when packed
 
-    def first(self, rows: int) -> "Batch":
-        """The first `rows` sequences: a smaller batch of the same draw (the batch-size schedule's)."""
-        if rows == len(self.inputs):
-            return self
-        docs = None if self.doc_ids is None else self.doc_ids[:rows]
-        return Batch(self.inputs[:rows], self.targets[:rows], docs)
-
 
 def document_ids(inputs: np.ndarray, eod_id: int) -> np.ndarray:
     """(rows, seq) -> the index of each position's document within its row (int64, 0 at the first position)."""
