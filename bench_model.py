@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from attention import UnsupportedInputError, list_attention
-from benchmarking import precision_report, report
+from benchmarking import precision_report, quality_state, report
 from benchmarking.decode import sampling_figures
 from benchmarking.environment import describe, environment_info
 from benchmarking.hf_llama import HFLlama
@@ -159,6 +159,9 @@ def _add_quality_flags(p: argparse.ArgumentParser) -> None:
     q.add_argument("--target-bpb", type=float, help="the target (default: the first recipe's final value)")
     q.add_argument("--devices", help="train the recipes side by side, one at a time on each of these devices (e.g. "
                                      "cuda:0,cuda:1,cuda:2,cuda:3; default: one after another on --device)")
+    q.add_argument("--resume", action="store_true",
+                   help="continue the stopped comparison in --out: the same command with --resume (its recipes that "
+                        "ended are kept, the one training goes on from its last evaluation)")
 
 
 @dataclass(frozen=True)
@@ -357,7 +360,8 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.device, devices = torch.device(devices[0]), ()
     args.quality = QualitySettings(sizes, list(dict.fromkeys(recipes)), args.data, 60 * args.minutes,
                                    args.eval_interval_s, args.target_bpb, args.seed, args.eval_batches,
-                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache", devices)
+                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache", devices,
+                                   resume=args.resume)
     return args
 
 
@@ -397,10 +401,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = check_args(p, p.parse_args(argv))
+    if args.resume and args.mode != [QUALITY_MODE]:
+        p.error(f"--resume continues a stopped --mode {QUALITY_MODE}")
+    if args.out is None and args.resume:
+        p.error("--resume: give the --out of the stopped comparison")
     if args.out is None:
         args.out = str(new_out_dir(Path("runs/bench_model")))
+    elif args.resume:
+        if not quality_state.interrupted_in(Path(args.out)):
+            p.error(f"--resume: --out {args.out} holds no stopped comparison ({quality_state.state_dir(Path(args.out))} "
+                    "has no plan.json)")
+    elif args.mode == [QUALITY_MODE] and quality_state.interrupted_in(Path(args.out)):
+        p.error(f"--out {args.out} holds a stopped time-to-quality comparison: continue it with --resume, or give "
+                "a new folder")
     elif not args.explain_precision and (problem := earlier_results(Path(args.out))):  # which writes no files
         p.error(problem)
+    if args.mode == [QUALITY_MODE]:
+        args.quality = dataclasses.replace(args.quality, out=Path(args.out))
     launcher = ["python"] if args.parallel == "none" else ["torchrun", "--nproc-per-node", str(args.world_size)]
     args.command = shlex.join([*launcher, "bench_model.py", *argv])  # recorded in results.md
     return args

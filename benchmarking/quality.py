@@ -13,7 +13,8 @@ resolved configuration, as train.py builds it, for a wall-clock budget. The cloc
 The learning rate follows the recipe's warm-up and cosine decay over the steps the budget holds at the speed
 measured so far, so that it reaches --min-lr as the budget ends (train.py's schedule, with --steps estimated).
 The target is the first recipe's final bits per byte (or --target-bpb); each recipe's time and tokens to reach it
-are those of its first evaluation at or below it (a resolution of --eval-interval-s).
+are those of its first evaluation at or below it (a resolution of --eval-interval-s). A stopped comparison continues
+with --resume from the state kept in --out (quality_state.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarking.oom import free_memory
+from benchmarking import quality_state
+from benchmarking.quality_state import RecipeState
 from benchmarking.timing import synchronize
 from model import ModelConfig, TransformerLM
 from training import cli
@@ -42,6 +45,7 @@ from training.step import TrainingStep, build_step, warm_up_steps
 from training.trainer import split
 
 Say = Callable[[str], None]
+ENDED = ("ok", "diverged", "OOM")  # outcomes a resumed comparison keeps; it trains the others (interrupted, error) again
 UNKNOWN_STEPS = 10**9  # a run's length before its speed is known
 
 
@@ -60,6 +64,8 @@ class QualitySettings:
     overrides: dict[tuple[str, str], Any]  # (section, field) -> value of the flags given, over each recipe
     cache_dir: Path  # the token cache of text data
     devices: tuple[str, ...] = ()  # more than one: recipes side by side, one per device (quality_devices.py)
+    out: Optional[Path] = None  # --out, where the comparison's state is kept as it runs (quality_state.py); None: not
+    resume: bool = False  # continue the stopped comparison in `out`
 
 
 def recipe_label(spec: str) -> str:
@@ -200,8 +206,9 @@ def validation_rows(settings: QualitySettings) -> int:
     return settings.overrides.get(("data", "batch_size"), DataConfig().batch_size)
 
 
-def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
-    """Evaluate with the clock stopped (the caller restarts it); False once the run diverged."""
+def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor], state: Optional[RecipeState] = None) -> bool:
+    """Evaluate with the clock stopped (the caller restarts it), then keep a snapshot in `state`; False once the run
+    diverged."""
     clock_s = clock.stop()
     result = run.evaluate()
     train_loss = None if loss is None else float(loss)
@@ -209,6 +216,9 @@ def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
                        "tokens": run.steps * run.tokens_per_step, "train_loss": train_loss,
                        "val_loss": result.loss, "val_bpb": result.bpb})
     if math.isfinite(result.loss) and (train_loss is None or math.isfinite(train_loss)):
+        if state is not None:
+            run.train_s = clock_s
+            state.snapshot(run)
         return True
     bad = result.loss if train_loss is None or math.isfinite(train_loss) else train_loss
     run.status, run.message = "diverged", f"the loss became {bad} at step {run.steps}"
@@ -216,32 +226,35 @@ def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor]) -> bool:
 
 
 def warm_up(run: RecipeRun, budget_s: float, say: Say) -> None:
-    """The steps that compile and capture (trained on, as train.py's, but timed apart)."""
+    """The steps that compile and capture (trained on, as train.py's, but timed apart), at the start or on resuming."""
     n = warm_up_steps(run.config)
     start = time.perf_counter()
     for _ in range(n):
-        run.train_step(0.0, budget_s)
+        run.train_step(run.train_s, budget_s)
     synchronize(run.step.device)
-    run.warmup_s = time.perf_counter() - start
+    run.warmup_s += time.perf_counter() - start
     if n:
         say(f"{run.size} {run.label}: warm-up {run.warmup_s:.1f} s for {n} step{'s' * (n > 1)} (not on the clock)")
 
 
-def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say) -> None:
-    """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end)."""
+def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
+              state: Optional[RecipeState] = None) -> None:
+    """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end), from
+    where `run` is (a resumed run's clock and evaluations); `state` keeps a snapshot at each evaluation."""
     warm_up(run, budget_s, say)
     clock, loss = Clock(run.step.device), None
+    clock.total = run.train_s
     try:
-        if not record(run, clock, loss):
+        if not run.points and not record(run, clock, loss, state):
             return
-        next_eval = interval_s
+        next_eval = (math.floor(clock.total / interval_s) + 1) * interval_s
         clock.start()
         while clock.read() < budget_s:
             loss = run.train_step(clock.read(), budget_s)
             clock.step_done()
             run.timed_steps += 1
             if clock.read() >= next_eval:
-                if not record(run, clock, loss):
+                if not record(run, clock, loss, state):
                     return
                 say(progress_line(run, budget_s))
                 next_eval = (math.floor(clock.total / interval_s) + 1) * interval_s
@@ -311,11 +324,20 @@ def configs(settings: QualitySettings,
 def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: DataSource, settings: QualitySettings,
             say: Say, outcomes: list[Outcome]) -> None:
     """Train one recipe and append its outcome to `outcomes`, whatever happens: an out-of-memory or another error is
-    its outcome and the comparison goes on; a Ctrl-C propagates, the evaluations so far kept."""
+    its outcome and the comparison goes on; a Ctrl-C propagates, the evaluations so far kept. With settings.out, the
+    recipe's state is kept as it goes and (settings.resume) taken up: an outcome kept, a snapshot continued."""
     (config, explicit), run, failure = planned, None, None
+    label = recipe_label(spec)
+    state = RecipeState.of(settings, size, label) if settings.out is not None else None
+    if state is not None and settings.resume and (kept := state.ended(config)) is not None:
+        say(f"{size} {label}: {kept.status}, kept from the stopped comparison")
+        outcomes.append(kept)
+        return
     try:
         run = build_run(spec, size, config, explicit, source, validation_rows(settings))
-        train_for(run, settings.budget_s, settings.interval_s, say)
+        if state is not None and settings.resume and state.restore(run):
+            say(f"{size} {label}: resumed at {run.train_s:.1f} s of training, step {run.steps}")
+        train_for(run, settings.budget_s, settings.interval_s, say, state)
     except torch.OutOfMemoryError as e:
         failure = ("OOM", str(e).splitlines()[0][:300])
     except (RuntimeError, ValueError, ConfigError) as e:  # one broken recipe must not lose the others
@@ -323,12 +345,15 @@ def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: Dat
     finally:
         if run is None:
             status, message = failure or ("interrupted", "stopped before its first step")
-            outcomes.append(Outcome(size, recipe_label(spec), config, [], status=status, message=message))
+            outcome = Outcome(size, label, config, [], status=status, message=message)
         else:
             if failure:
                 run.status, run.message = failure
-            outcomes.append(Outcome.of(run))
+            outcome = Outcome.of(run)
             run.step = None  # type: ignore[assignment]  # release the model and its optimizer before the next
+        if state is not None and outcome.status in ENDED:
+            state.save_outcome(outcome)
+        outcomes.append(outcome)
         free_memory()
 
 
@@ -340,6 +365,8 @@ def compare(settings: QualitySettings, say: Say) -> tuple[list[Outcome], bool]:
     lengths = sorted({m.context_length for m in settings.sizes.values()})
     sources = {t: open_data(settings, t) for t in lengths}
     planned = configs(settings, sources)
+    if settings.out is not None:
+        quality_state.begin(settings, planned, validation_rows(settings))
     outcomes: list[Outcome] = []
     try:
         with sigterm_as_interrupt():
@@ -354,6 +381,8 @@ def compare(settings: QualitySettings, say: Say) -> tuple[list[Outcome], bool]:
                     say(plan_line(size, spec, config, settings))
                     run_one(spec, size, (config, explicit), sources[config.model.context_length], settings, say,
                             outcomes)
+        if settings.out is not None:
+            quality_state.end(settings)
         return outcomes, False
     except KeyboardInterrupt:
         return outcomes, True

@@ -96,9 +96,9 @@ def test_the_files_hold_the_rows_the_curves_and_each_recipes_configuration(compa
 
 
 @pytest.mark.slow  # bench_model.py trains for seconds
-def test_a_stop_keeps_what_was_measured(tmp_path, text_file, monkeypatch):
+def test_a_stop_keeps_what_was_measured_and_resume_goes_on(tmp_path, text_file, monkeypatch, capsys):
     """SIGTERM or Ctrl-C during the second recipe: exit 130, the first recipe's row whole, the second's evaluations
-    so far, the files written."""
+    so far, the files written; --resume then ends the comparison."""
     real, calls = quality.RecipeRun.train_step, {"muon": 0}
 
     def stopping(self, clock_s, budget_s):
@@ -123,6 +123,18 @@ def test_a_stop_keeps_what_was_measured(tmp_path, text_file, monkeypatch):
     assert re.search(r"\n- custom muon: .* \[interrupted: stopped after .* s of 4\]\n",
                      (tmp_path / "results.md").read_text())
 
+    # The same command again is refused; with --resume it keeps adamw's row and trains muon on from its last snapshot.
+    monkeypatch.setattr(quality.RecipeRun, "train_step", real)
+    argv = [*TINY, "--recipes", "adamw,muon", "--data", str(text_file), "--minutes", str(4 / 60),
+            "--eval-interval-s", "1", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        bench_model.main(argv)
+    assert "holds a stopped time-to-quality comparison: continue it with --resume" in capsys.readouterr().err
+    rows = bench_model.main([*argv, "--resume"])
+    assert [(r["recipe"], r["status"]) for r in rows] == [("adamw", "ok"), ("muon", "ok")]
+    assert rows[0]["steps"] == int(table[0]["steps"]) and rows[0]["final_bpb"] == float(table[0]["final_bpb"])
+    assert rows[1]["train_s"] >= 4 and not (tmp_path / "resume").exists()
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "time-to-quality,train-step"], "--mode time-to-quality runs alone (got time-to-quality,train-step)"),
@@ -134,13 +146,14 @@ def test_a_stop_keeps_what_was_measured(tmp_path, text_file, monkeypatch):
     (["--cuda-graph", "on"], "recipe adamw: --cuda-graph: CUDA graphs need a GPU"),
     (["--devices", "cpu,gpu"], "--devices: 'gpu' is not a device (cpu, cuda:0, ...)"),
     (["--devices", "cpu,cuda:0"], "--devices: cuda:0 is not a cpu device, as --device cpu is"),
+    (["--resume"], "--resume: --out {out} holds no stopped comparison ({out}/resume has no plan.json)"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         bench_model.main([*TINY, "--out", str(tmp_path), *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err == f"error: {message}\n"
+    assert err == f"error: {message.format(out=tmp_path)}\n"
 
 
 def test_a_target_never_reached_is_said(tmp_path, text_file):
@@ -225,6 +238,11 @@ def test_sigterm_to_the_whole_group_keeps_what_each_process_measured(tmp_path, t
     table = read_csv(out / "results.csv")
     assert [(t["recipe"], t["status"]) for t in table] == [("adamw", "interrupted"), ("muon", "interrupted")]
     assert all(int(t["evals"]) >= 2 for t in table)
+    # Each process kept a snapshot at its recipe's last evaluation, for --resume.
+    curves = read_csv(out / "curves.csv")
+    for recipe in ("adamw", "muon"):
+        last = [c["step"] for c in curves if c["recipe"] == recipe][-1]
+        assert [p.name for p in (out / "resume" / f"custom-{recipe}").iterdir()] == [f"checkpoint-{last}.safetensors"]
 
 
 def test_recipes_without_an_outcome_become_error_rows_naming_the_processes():

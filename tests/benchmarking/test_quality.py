@@ -154,3 +154,60 @@ def test_the_curves_plot_one_line_per_recipe_and_the_target(tmp_path):
     path = quality_report.plot_curves(curves, {"tiny": (3.0, "adamw's final value")}, tmp_path / "curves.png")
     assert path.read_bytes().startswith(b"\x89PNG")
     assert quality_report.plot_curves([], {}, tmp_path / "none.png") is None
+
+
+def test_a_stopped_comparison_resumes_where_its_last_evaluation_was_and_ends_as_an_unstopped_one(
+        monkeypatch, tmp_path, text_file):
+    """Steps take 0.25 s of a fake clock. One comparison runs through; another stops during muon's 6th step (its
+    last snapshot: the evaluation at 1.0 s, step 4), then resumes: adamw's outcome is kept and muon continues from
+    step 4, so that every evaluation of both equals the unstopped comparison's."""
+    fake, stop_at = FakeTime(), {"step": None}
+    monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
+    real_step = RecipeRun.train_step
+
+    def step(self, clock_s, budget_s):
+        fake.now += 0.25
+        if self.label == "muon" and self.steps == stop_at["step"]:
+            raise KeyboardInterrupt("signal SIGTERM")
+        return real_step(self, clock_s, budget_s)
+
+    monkeypatch.setattr(RecipeRun, "train_step", step)
+    common = dict(data=str(text_file), cache_dir=tmp_path / "cache", budget_s=2.0, interval_s=0.5)
+    through, stopped = tmp_path / "through", tmp_path / "stopped"
+    expected, interrupted = quality.compare(settings(out=through, **common), say=lambda line: None)
+    assert not interrupted and not (through / "resume").exists()  # an ended comparison leaves no state
+
+    stop_at["step"] = 5
+    outcomes, interrupted = quality.compare(settings(out=stopped, **common), say=lambda line: None)
+    assert interrupted and [o.status for o in outcomes] == ["ok", "interrupted"]
+    state = stopped / "resume"
+    assert sorted(p.name for p in state.iterdir()) == ["plan.json", "tiny-adamw.json", "tiny-muon"]
+    assert [p.name for p in (state / "tiny-muon").iterdir()] == ["checkpoint-4.safetensors"]
+
+    stop_at["step"] = None
+    said = []
+    resumed, interrupted = quality.compare(settings(out=stopped, resume=True, **common), say=said.append)
+    assert not interrupted and not state.exists()
+    assert "tiny adamw: ok, kept from the stopped comparison" in said
+    assert "tiny muon: resumed at 1.0 s of training, step 4" in said
+    for a, b in zip(expected, resumed, strict=True):
+        assert (a.recipe, a.status, a.steps, a.timed_steps, a.train_s) == (b.recipe, b.status, b.steps,
+                                                                           b.timed_steps, b.train_s)
+        assert [(p["clock_s"], p["step"], p["tokens"]) for p in a.points] == [
+            (p["clock_s"], p["step"], p["tokens"]) for p in b.points]
+        assert [p["val_bpb"] for p in b.points] == pytest.approx([p["val_bpb"] for p in a.points], rel=1e-6)
+
+
+def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, text_file):
+    monkeypatch.setattr(RecipeRun, "train_step", lambda self, clock_s, budget_s: (_ for _ in ()).throw(
+        KeyboardInterrupt("signal SIGTERM")))
+    common = dict(data=str(text_file), cache_dir=tmp_path / "cache", out=tmp_path, interval_s=0.5)
+    _, interrupted = quality.compare(settings(budget_s=60.0, **common), say=lambda line: None)
+    assert interrupted and (tmp_path / "resume" / "plan.json").is_file()
+    with pytest.raises(ConfigError, match=rf"^--resume: the stopped comparison in {tmp_path} had other --minutes "
+                                          r"\(1.0 then, 2.0 now\); give the flags it had"):
+        quality.compare(settings(budget_s=120.0, resume=True, **common), say=lambda line: None)
+    lr = {**OVERRIDES, ("optim", "lr"): 1e-2}
+    with pytest.raises(ConfigError, match=r"other --recipes and --sizes \(tiny-adamw's optim lr: 0.0006 then, 0.01 "
+                                          r"now\)"):
+        quality.compare(settings(budget_s=60.0, resume=True, overrides=lr, **common), say=lambda line: None)

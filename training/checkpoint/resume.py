@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ class Resumed:
     step: int  # the step to continue from
     path: Path  # the checkpoint file (or sharded directory) it came from
     changes: list[str]  # one line per setting of how the run runs that differs from the run that wrote it
+    extra: dict[str, Any]  # what the writer passed as save_checkpoint's `extra`
 
 
 def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -47,12 +48,15 @@ def model_config_of(state: dict[str, Any]) -> ModelConfig:
 
 
 def save_checkpoint(out: Path, model: torch.nn.Module, optimizer: Any, scaler: torch.amp.GradScaler, step: int,
-                    config: Config, ctx: DistContext = DistContext(), keep: int = 2) -> Path:
+                    config: Config, ctx: DistContext = DistContext(), keep: int = 2,
+                    extra: Optional[dict[str, Any]] = None) -> Path:
     """Called on every rank; returns the checkpoint written. DDP's ranks hold identical weights, so rank 0 writes the
-    one-process file, and deletes all but the `keep` newest."""
+    one-process file, and deletes all but the `keep` newest. `extra`: JSON values of the writer's own, which
+    load_checkpoint gives back (Resumed.extra)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    extras = {"scaler": scaler.state_dict(), "step": step, "rng": checkpoint.rng_state(), "config": config.to_dict()}
+    extras = {"scaler": scaler.state_dict(), "step": step, "rng": checkpoint.rng_state(), "config": config.to_dict(),
+              "extra": extra or {}}
     if ctx.parallel == "fsdp":
         path = out / sharded_checkpoint.DCP_DIR_NAME
         sharded_checkpoint.save(path, model, optimizer, extras, ctx)
@@ -173,4 +177,4 @@ def load_checkpoint(out: Path, model: torch.nn.Module, optimizer: Any, scaler: t
     if state["scaler"]:  # empty when written without fp16: a run resumed with --dtype fp16 starts its scaler anew
         scaler.load_state_dict(state["scaler"])
     checkpoint.set_rng_state(state["rng"])
-    return Resumed(state["step"], path, execution_changes(state, config))
+    return Resumed(state["step"], path, execution_changes(state, config), state.get("extra", {}))

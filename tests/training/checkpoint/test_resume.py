@@ -92,7 +92,8 @@ def resume(out: Path, config: Config, scaler: torch.amp.GradScaler) -> Resumed:
 def test_save_then_load_restores_model_optimizer_scaler_rng_and_step(tmp_path):
     config = resolved()
     a, step_a = trained(config, seed=0)
-    path = save_checkpoint(tmp_path, a, step_a.optimizer, torch.amp.GradScaler("cpu", init_scale=2.0 ** 7), 7, config)
+    path = save_checkpoint(tmp_path, a, step_a.optimizer, torch.amp.GradScaler("cpu", init_scale=2.0 ** 7), 7, config,
+                           extra={"clock_s": 1.5, "points": [{"step": 7}]})
     assert path == tmp_path / "checkpoint-7.safetensors"
     after_save = (torch.rand(4), np.random.rand(2), random.random())  # the RNGs come back to the moment of saving
 
@@ -104,7 +105,7 @@ def test_save_then_load_restores_model_optimizer_scaler_rng_and_step(tmp_path):
     b, step_b = trained(config, seed=1, steps=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 3)
     assert load_checkpoint(tmp_path, b, step_b.optimizer, scaler, config, DistContext(), no_warning) == Resumed(
-        7, path, [])
+        7, path, [], {"clock_s": 1.5, "points": [{"step": 7}]})
     assert torch.equal(torch.rand(4), after_save[0]) and np.array_equal(np.random.rand(2), after_save[1])
     assert random.random() == after_save[2]
     assert scaler.get_scale() == 2.0 ** 7
@@ -278,7 +279,7 @@ def test_an_old_format_checkpoint_still_resumes(tmp_path, written, read):
         load_checkpoint(tmp_path, b, step_b.optimizer, step_b.scaler, config, DistContext(), no_warning)
     config = config.replace(run={"allow_pickle": True})
     resumed = load_checkpoint(tmp_path, b, step_b.optimizer, step_b.scaler, config, DistContext(), no_warning)
-    assert resumed == Resumed(5, path, [])
+    assert resumed == Resumed(5, path, [], {})
     assert np.array_equal(np.random.rand(2), after_save), "its NumPy RNG state restored"
     assert_same_weights(a, b)
     assert_same_optimizer_state(a, step_a.optimizer, b, step_b.optimizer)

@@ -1,0 +1,166 @@
+"""A time-to-quality comparison on disk, so that a stopped one continues: `bench_model.py ... --out DIR --resume`.
+
+DIR/resume/ holds, while the comparison runs:
+- `plan.json`: what is compared (the budget, the interval, the validation batches, the seed, the data and every
+  recipe's resolved configuration); --resume continues only the same plan.
+- `<size>-<recipe>.json`: a recipe that ended (its evaluations, counts and status), which --resume keeps;
+- `<size>-<recipe>/`: a recipe still training, as of its last evaluation: a checkpoint (training/checkpoint: model,
+  optimizer, scaler) that also holds the recipe's steps, clock and evaluations. It is written at every evaluation,
+  off the clock, so that a stop of any kind (Ctrl-C, SIGTERM, a killed process or machine) loses at most one
+  interval of training; --resume loads it, compiles and captures again (those steps off the clock too, as at the
+  start) and goes on from that clock.
+A comparison that ends with every recipe measured deletes the directory; its results are in DIR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.resume import load_checkpoint, save_checkpoint
+from training.config import Config, ConfigError
+from training.parallel.distributed import DistContext
+from training.run.files import write_atomic
+
+if TYPE_CHECKING:
+    from benchmarking.quality import Outcome, QualitySettings, RecipeRun
+
+STATE_DIR = "resume"
+PLAN = "plan.json"
+# The plan's settings and the flags that set them, for the message when --resume is given other ones.
+PLAN_FLAGS = {"budget_s": "--minutes", "interval_s": "--eval-interval-s", "eval_batches": "--eval-batches",
+              "val_rows": "--batch-size (the validation batches' rows)", "seed": "--seed", "data": "--data",
+              "recipes": "--recipes and --sizes"}
+COUNTS = ("steps", "timed_steps", "train_s", "warmup_s", "points")  # a RecipeRun's figures that a resume continues
+
+
+def state_dir(out: Path) -> Path:
+    return out / STATE_DIR
+
+
+def interrupted_in(out: Path) -> bool:
+    """Whether `out` holds a comparison that stopped before its end."""
+    return (state_dir(out) / PLAN).is_file()
+
+
+def recipe_key(size: str, label: str) -> str:
+    return f"{size}-{label}"
+
+
+def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config, frozenset]],
+            val_rows: int) -> dict[str, Any]:
+    from benchmarking.quality import recipe_label
+
+    recipes = {}
+    for (size, spec), (config, _) in planned.items():
+        key = recipe_key(size, recipe_label(spec))
+        if key in recipes:
+            raise ConfigError(f"--recipes: two recipes are named {recipe_label(spec)!r} (the files' names): rename "
+                              "one, so that each has its own results")
+        recipes[key] = config.to_dict()
+    return {"budget_s": settings.budget_s, "interval_s": settings.interval_s, "eval_batches": settings.eval_batches,
+            "val_rows": val_rows, "seed": settings.seed, "data": settings.data, "recipes": recipes}
+
+
+def begin(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config, frozenset]],
+          val_rows: int) -> None:
+    """Before anything trains: write the plan, or (--resume) check that it is the stopped comparison's."""
+    directory = state_dir(settings.out)
+    plan = plan_of(settings, planned, val_rows)
+    if not settings.resume:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_json(directory / PLAN, plan)
+        return
+    try:
+        saved = json.loads((directory / PLAN).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: {directory / PLAN} cannot be read ({e})") from None
+    for name, flag in PLAN_FLAGS.items():
+        if saved.get(name) != plan[name]:
+            if name == "recipes":
+                what = _recipes_difference(saved.get(name) or {}, plan[name])
+            else:
+                then, now = (v / 60 if name == "budget_s" and v else v for v in (saved.get(name), plan[name]))
+                what = f"{then!r} then, {now!r} now"
+            raise ConfigError(f"--resume: the stopped comparison in {settings.out} had other {flag} ({what}); give "
+                              "the flags it had, or start a new comparison in another --out")
+
+
+def _recipes_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    if set(saved) != set(now):
+        return f"{', '.join(sorted(saved))} then, {', '.join(sorted(now))} now"
+    key = next(k for k in saved if saved[k] != now[k])
+    section, name = next((s, n) for s in saved[key] for n in saved[key][s] if saved[key][s][n] != now[key][s].get(n))
+    return f"{key}'s {section} {name}: {saved[key][section][name]!r} then, {now[key][section][name]!r} now"
+
+
+def end(settings: QualitySettings) -> None:
+    """Every recipe measured: the state goes (the results are in --out)."""
+    shutil.rmtree(state_dir(settings.out), ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeState:
+    """One recipe's place in the state directory."""
+
+    directory: Path  # the snapshot of a recipe still training; `<directory>.json` the outcome of one that ended
+
+    @classmethod
+    def of(cls, settings: QualitySettings, size: str, label: str) -> "RecipeState":
+        return cls(state_dir(settings.out) / recipe_key(size, label))
+
+    @property
+    def outcome_file(self) -> Path:
+        return self.directory.with_name(self.directory.name + ".json")
+
+    def ended(self, config: Config) -> Optional[Outcome]:
+        """The outcome kept for this recipe, with its configuration as planned now, or None."""
+        from benchmarking.quality import Outcome
+
+        if not self.outcome_file.is_file():
+            return None
+        saved = json.loads(self.outcome_file.read_text())
+        return Outcome(**{**saved, "config": config})
+
+    def save_outcome(self, outcome: Outcome) -> None:
+        """The recipe ended: its outcome is kept, its snapshot goes."""
+        fields = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(outcome) if f.name != "config"}
+        _write_json(self.outcome_file, fields)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def snapshot(self, run: RecipeRun) -> None:
+        """The recipe's model, optimizer and figures as of now (an evaluation, the clock stopped)."""
+        step = run.step
+        extra = {name: getattr(run, name) for name in COUNTS}
+        save_checkpoint(self.directory, step.model, step.optimizer, step.scaler, run.steps, run.config, keep=1,
+                        extra=extra)
+
+    def restore(self, run: RecipeRun) -> bool:
+        """Load the snapshot into a freshly built `run`; False when there is none."""
+        if not self.directory.is_dir():
+            return False
+        step = run.step
+        try:
+            resumed = load_checkpoint(self.directory, step.model, step.optimizer, step.scaler, run.config,
+                                      DistContext(device=torch.device(run.config.execution.device)), _stderr)
+        except (CheckpointError, ValueError) as e:
+            raise ConfigError(f"--resume: the snapshot of {run.size} {run.label} does not load ({e})") from None
+        for name in COUNTS:
+            setattr(run, name, resumed.extra[name])
+        return True
+
+
+def _write_json(path: Path, value: Any) -> None:
+    text = json.dumps(value, indent=1).encode()
+    write_atomic(path, lambda f: f.write(text))
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
