@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from benchmarking.oom import free_memory
 from benchmarking import quality_state
+from benchmarking.oom import free_memory
 from benchmarking.quality_state import RecipeState
 from benchmarking.timing import synchronize
 from model import ModelConfig, TransformerLM
@@ -232,9 +232,10 @@ def warm_up(run: RecipeRun, budget_s: float, say: Say) -> None:
     for _ in range(n):
         run.train_step(run.train_s, budget_s)
     synchronize(run.step.device)
-    run.warmup_s += time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    run.warmup_s += seconds
     if n:
-        say(f"{run.size} {run.label}: warm-up {run.warmup_s:.1f} s for {n} step{'s' * (n > 1)} (not on the clock)")
+        say(f"{run.size} {run.label}: warm-up {seconds:.1f} s for {n} step{'s' * (n > 1)} (not on the clock)")
 
 
 def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,

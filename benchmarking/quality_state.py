@@ -65,8 +65,9 @@ def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Conf
             raise ConfigError(f"--recipes: two recipes are named {recipe_label(spec)!r} (the files' names): rename "
                               "one, so that each has its own results")
         recipes[key] = config.to_dict()
-    return {"budget_s": settings.budget_s, "interval_s": settings.interval_s, "eval_batches": settings.eval_batches,
+    plan = {"budget_s": settings.budget_s, "interval_s": settings.interval_s, "eval_batches": settings.eval_batches,
             "val_rows": val_rows, "seed": settings.seed, "data": settings.data, "recipes": recipes}
+    return json.loads(json.dumps(plan))  # as plan.json reads back (tuples as lists), so that the two compare
 
 
 def begin(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config, frozenset]],
