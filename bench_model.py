@@ -157,6 +157,10 @@ def _add_quality_flags(p: argparse.ArgumentParser) -> None:
                    help="validation bits per byte every this many seconds of training (default 60)")
     q.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation (default 10)")
     q.add_argument("--target-bpb", type=float, help="the target (default: the first recipe's final value)")
+    q.add_argument("--stop-at-target", action="store_true",
+                   help="end each recipe at its first evaluation at or below the target (the first recipe, when its "
+                        "final value is the target, trains its whole budget); learning rates still follow the whole "
+                        "budget's schedule")
     q.add_argument("--devices", help="train the recipes side by side, one at a time on each of these devices (e.g. "
                                      "cuda:0,cuda:1,cuda:2,cuda:3; default: one after another on --device)")
     q.add_argument("--resume", action="store_true",
@@ -356,12 +360,15 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     sizes = {k: m if not lengths else dataclasses.replace(m, context_length=lengths[0])
              for k, m in _models(p, args).items()}
     devices = quality_devices(p, args)
+    if args.stop_at_target and len(devices) > 1 and args.target_bpb is None:
+        p.error("--stop-at-target with --devices needs --target-bpb: side by side, the first recipe's final value is "
+                "not known while the others train")
     if len(devices) == 1:  # one device: the recipes one after another on it
         args.device, devices = torch.device(devices[0]), ()
     args.quality = QualitySettings(sizes, list(dict.fromkeys(recipes)), args.data, 60 * args.minutes,
                                    args.eval_interval_s, args.target_bpb, args.seed, args.eval_batches,
                                    quality_overrides(args, dtypes), Path("runs") / ".token_cache", devices,
-                                   resume=args.resume)
+                                   resume=args.resume, stop_at_target=args.stop_at_target)
     return args
 
 

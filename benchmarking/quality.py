@@ -13,8 +13,10 @@ resolved configuration, as train.py builds it, for a wall-clock budget. The cloc
 The learning rate follows the recipe's warm-up and cosine decay over the steps the budget holds at the speed
 measured so far, so that it reaches --min-lr as the budget ends (train.py's schedule, with --steps estimated).
 The target is the first recipe's final bits per byte (or --target-bpb); each recipe's time and tokens to reach it
-are those of its first evaluation at or below it (a resolution of --eval-interval-s). A stopped comparison continues
-with --resume from the state kept in --out (quality_state.py).
+are those of its first evaluation at or below it (a resolution of --eval-interval-s); with --stop-at-target a recipe
+stops there (its schedule still that of the whole budget), which saves the rest of the budget of every recipe but the
+one that sets the target. A stopped comparison continues with --resume from the state kept in --out
+(quality_state.py).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class QualitySettings:
     devices: tuple[str, ...] = ()  # more than one: recipes side by side, one per device (quality_devices.py)
     out: Optional[Path] = None  # --out, where the comparison's state is kept as it runs (quality_state.py); None: not
     resume: bool = False  # continue the stopped comparison in `out`
+    stop_at_target: bool = False  # a recipe stops at its first evaluation at or below the target (stop_bpb)
 
 
 def recipe_label(spec: str) -> str:
@@ -239,14 +242,17 @@ def warm_up(run: RecipeRun, budget_s: float, say: Say) -> None:
 
 
 def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
-              state: Optional[RecipeState] = None) -> None:
+              state: Optional[RecipeState] = None, stop_bpb: Optional[float] = None) -> None:
     """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end), from
-    where `run` is (a resumed run's clock and evaluations); `state` keeps a snapshot at each evaluation."""
+    where `run` is (a resumed run's clock and evaluations); `state` keeps a snapshot at each evaluation; with
+    `stop_bpb`, the first evaluation at or below it ends the run."""
     warm_up(run, budget_s, say)
     clock, loss = Clock(run.step.device), None
     clock.total = run.train_s
     try:
         if not run.points and not record(run, clock, loss, state):
+            return
+        if reached(run, stop_bpb):
             return
         next_eval = (math.floor(clock.total / interval_s) + 1) * interval_s
         clock.start()
@@ -258,6 +264,9 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
                 if not record(run, clock, loss, state):
                     return
                 say(progress_line(run, budget_s))
+                if reached(run, stop_bpb):
+                    say(f"{run.size} {run.label}: reached the target {stop_bpb:.4f} bpb, stopped (--stop-at-target)")
+                    return
                 next_eval = (math.floor(clock.total / interval_s) + 1) * interval_s
                 clock.start()
         if not run.points or run.points[-1]["step"] != run.steps:
@@ -268,6 +277,24 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
         raise
     finally:
         run.train_s = clock.total
+
+
+def reached(run: RecipeRun, stop_bpb: Optional[float]) -> bool:
+    return stop_bpb is not None and bool(run.points) and run.points[-1]["val_bpb"] <= stop_bpb
+
+
+def stop_bpb(settings: QualitySettings, size: str, outcomes: list[Outcome]) -> Optional[float]:
+    """Where a recipe of `size` stops with --stop-at-target: --target-bpb, else the final bits per byte of the size's
+    first recipe once it has ended (recipes one after another; that one itself trains its whole budget)."""
+    if not settings.stop_at_target:
+        return None
+    if settings.target_bpb is not None:
+        return settings.target_bpb
+    from benchmarking.quality_report import final_point
+
+    first = next((o for o in outcomes if o.size == size), None)
+    final = final_point(first) if first is not None else None
+    return final["val_bpb"] if final else None
 
 
 def progress_line(run: RecipeRun, budget_s: float) -> str:
@@ -338,7 +365,7 @@ def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: Dat
         run = build_run(spec, size, config, explicit, source, validation_rows(settings))
         if state is not None and settings.resume and state.restore(run):
             say(f"{size} {label}: resumed at {run.train_s:.1f} s of training, step {run.steps}")
-        train_for(run, settings.budget_s, settings.interval_s, say, state)
+        train_for(run, settings.budget_s, settings.interval_s, say, state, stop_bpb(settings, size, outcomes))
     except torch.OutOfMemoryError as e:
         failure = ("OOM", str(e).splitlines()[0][:300])
     except (RuntimeError, ValueError, ConfigError) as e:  # one broken recipe must not lose the others

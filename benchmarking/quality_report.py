@@ -172,6 +172,9 @@ def settings_line(settings: QualitySettings, goal: dict[str, tuple[Optional[floa
                      for size, (t, src) in goal.items())
     where = (f" Recipes ran side by side, one at a time on each of {', '.join(settings.devices)}."
              if len(settings.devices) > 1 else "")
+    if settings.stop_at_target:
+        where += (" Each recipe stopped at its first evaluation at or below the target (--stop-at-target), its learning "
+                  "rate on the whole budget's schedule.")
     return (f"Data: {settings.data or 'the built-in corpus'}. Each recipe trains the same model from seed "
             f"{settings.seed} on the same batches for {settings.budget_s:g} s of training (the clock stops while it "
             f"evaluates; the first steps, which compile and capture, are timed apart), and is scored every "
@@ -209,8 +212,8 @@ def write_outputs(table: list[dict[str, Any]], outcomes: Sequence[Outcome], sett
     plot = plot_curves(curves, goal, out / "curves.png")
     config = {"command": command, "sizes": {k: m.to_dict() for k, m in settings.sizes.items()},
               "recipes": settings.recipes, "data": settings.data, "budget_s": settings.budget_s,
-              "interval_s": settings.interval_s, "target_bpb": settings.target_bpb, "seed": settings.seed,
-              "eval_batches": settings.eval_batches,
+              "interval_s": settings.interval_s, "target_bpb": settings.target_bpb,
+              "stop_at_target": settings.stop_at_target, "seed": settings.seed, "eval_batches": settings.eval_batches,
               "overrides": {f"{s}.{f}": v for (s, f), v in settings.overrides.items()},
               "resolved": {f"{o.size} {o.recipe}": o.config.to_dict() for o in outcomes if o.config is not None}}
     paths = {

@@ -1,8 +1,8 @@
 """A time-to-quality comparison on disk, so that a stopped one continues: `bench_model.py ... --out DIR --resume`.
 
 DIR/resume/ holds, while the comparison runs:
-- `plan.json`: what is compared (the budget, the interval, the validation batches, the seed, the data and every
-  recipe's resolved configuration); --resume continues only the same plan.
+- `plan.json`: what is compared (the budget, the interval, the validation batches, the seed, the data, every
+  recipe's resolved configuration and --stop-at-target); --resume continues only the same plan.
 - `<size>-<recipe>.json`: a recipe that ended (its evaluations, counts and status), which --resume keeps;
 - `<size>-<recipe>/`: a recipe still training, as of its last evaluation: a checkpoint (training/checkpoint: model,
   optimizer, scaler) that also holds the recipe's steps, clock and evaluations. It is written at every evaluation,
@@ -37,7 +37,7 @@ PLAN = "plan.json"
 # The plan's settings and the flags that set them, for the message when --resume is given other ones.
 PLAN_FLAGS = {"budget_s": "--minutes", "interval_s": "--eval-interval-s", "eval_batches": "--eval-batches",
               "val_rows": "--batch-size (the validation batches' rows)", "seed": "--seed", "data": "--data",
-              "recipes": "--recipes and --sizes"}
+              "recipes": "--recipes and --sizes", "stop_at_target": "--stop-at-target"}
 COUNTS = ("steps", "timed_steps", "train_s", "warmup_s", "points")  # a RecipeRun's figures that a resume continues
 
 
@@ -66,7 +66,8 @@ def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Conf
                               "one, so that each has its own results")
         recipes[key] = config.to_dict()
     plan = {"budget_s": settings.budget_s, "interval_s": settings.interval_s, "eval_batches": settings.eval_batches,
-            "val_rows": val_rows, "seed": settings.seed, "data": settings.data, "recipes": recipes}
+            "val_rows": val_rows, "seed": settings.seed, "data": settings.data, "recipes": recipes,
+            "stop_at_target": settings.stop_at_target}
     return json.loads(json.dumps(plan))  # as plan.json reads back (tuples as lists), so that the two compare
 
 

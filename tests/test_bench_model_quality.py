@@ -146,6 +146,8 @@ def test_a_stop_keeps_what_was_measured_and_resume_goes_on(tmp_path, text_file, 
     (["--cuda-graph", "on"], "recipe adamw: --cuda-graph: CUDA graphs need a GPU"),
     (["--devices", "cpu,gpu"], "--devices: 'gpu' is not a device (cpu, cuda:0, ...)"),
     (["--devices", "cpu,cuda:0"], "--devices: cuda:0 is not a cpu device, as --device cpu is"),
+    (["--stop-at-target", "--devices", "cpu,cpu"], "--stop-at-target with --devices needs --target-bpb: side by side, "
+                                                   "the first recipe's final value is not known while the others train"),
     (["--resume"], "--resume: --out {out} holds no stopped comparison ({out}/resume has no plan.json)"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, argv, message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -75,6 +76,38 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
     assert (run.train_s, run.steps, run.timed_steps) == (1.0, 4, 4)  # 15 s of evaluation, not on the clock
     assert [p["tokens"] for p in run.points] == [0, 2 * 128, 4 * 128]
     assert run.points[0]["train_loss"] is None and run.points[-1]["train_loss"] is not None
+
+
+def test_stop_at_target_ends_each_later_recipe_at_its_first_evaluation_at_or_below_the_first_ones_final(
+        monkeypatch, tmp_path, text_file):
+    """Steps take 0.25 s of a fake clock; adamw's bits per byte fall by 0.125 a step, muon's by 0.25: adamw trains its
+    2 s and ends at 3.0, which muon reaches at step 4 (1.0 s), where it stops."""
+    fake = FakeTime()
+    monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
+    real_step = RecipeRun.train_step
+
+    def step(self, clock_s, budget_s):
+        fake.now += 0.25
+        return real_step(self, clock_s, budget_s)
+
+    def evaluate(self):
+        bpb = 4.0 - self.steps * (0.125 if self.label == "adamw" else 0.25)
+        return Evaluation(bpb, 1 / math.log(2), 256)  # loss in nats = bits per byte at this many bytes a token
+
+    monkeypatch.setattr(RecipeRun, "train_step", step)
+    monkeypatch.setattr(RecipeRun, "evaluate", evaluate)
+    said = []
+    given = settings(data=str(text_file), cache_dir=tmp_path / "cache", budget_s=2.0, stop_at_target=True)
+    (adamw, muon), _ = quality.compare(given, say=said.append)
+    assert [p["clock_s"] for p in adamw.points] == [0.0, 0.5, 1.0, 1.5, 2.0] and adamw.train_s == 2.0
+    assert [(p["clock_s"], p["step"]) for p in muon.points] == [(0.0, 0), (0.5, 2), (1.0, 4)]
+    assert (muon.status, muon.train_s, muon.steps) == ("ok", 1.0, 4)
+    assert "tiny muon: reached the target 3.0000 bpb, stopped (--stop-at-target)" in said
+    table = quality_report.rows([adamw, muon], given)
+    assert [(r["reached"], r["time_to_target_s"], r["speedup"]) for r in table] == [(True, 2.0, 1.0),
+                                                                                   (True, 1.0, 2.0)]
+    (adamw, muon), _ = quality.compare(dataclasses.replace(given, target_bpb=3.5), say=said.append)
+    assert [p["clock_s"] for p in adamw.points][-1] == 1.0 and [p["clock_s"] for p in muon.points][-1] == 0.5
 
 
 def test_every_recipe_is_scored_on_the_same_validation_rows_whatever_its_batch_size(tmp_path):
@@ -211,3 +244,5 @@ def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, 
     with pytest.raises(ConfigError, match=r"other --recipes and --sizes \(tiny-adamw's optim lr: 0.0006 then, 0.01 "
                                           r"now\)"):
         quality.compare(settings(budget_s=60.0, resume=True, overrides=lr, **common), say=lambda line: None)
+    with pytest.raises(ConfigError, match=r"other --stop-at-target \(False then, True now\)"):
+        quality.compare(settings(budget_s=60.0, resume=True, stop_at_target=True, **common), say=lambda line: None)
