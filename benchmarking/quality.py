@@ -246,10 +246,10 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
     """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end), from
     where `run` is (a resumed run's clock and evaluations); `state` keeps a snapshot at each evaluation; with
     `stop_bpb`, the first evaluation at or below it ends the run."""
-    warm_up(run, budget_s, say)
     clock, loss = Clock(run.step.device), None
     clock.total = run.train_s
     try:
+        warm_up(run, budget_s, say)
         if not run.points and not record(run, clock, loss, state):
             return
         if reached(run, stop_bpb):

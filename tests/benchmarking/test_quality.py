@@ -231,6 +231,16 @@ def test_a_stopped_comparison_resumes_where_its_last_evaluation_was_and_ends_as_
         assert [p["val_bpb"] for p in b.points] == pytest.approx([p["val_bpb"] for p in a.points], rel=1e-6)
 
 
+def test_a_stop_during_the_warm_up_steps_is_an_interruption_that_resume_trains_again(monkeypatch, tmp_path, text_file):
+    monkeypatch.setattr(quality, "warm_up_steps", lambda config: 2)  # as compile or a CUDA graph asks
+    monkeypatch.setattr(RecipeRun, "train_step", lambda self, clock_s, budget_s: (_ for _ in ()).throw(
+        KeyboardInterrupt("signal SIGTERM")))
+    given = settings(recipes=["muon"], data=str(text_file), cache_dir=tmp_path / "cache", out=tmp_path)
+    (outcome,), interrupted = quality.compare(given, say=lambda line: None)
+    assert interrupted and (outcome.status, outcome.points) == ("interrupted", [])
+    assert [p.name for p in (tmp_path / "resume").iterdir()] == ["plan.json"]  # nothing kept as ended
+
+
 def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, text_file):
     monkeypatch.setattr(RecipeRun, "train_step", lambda self, clock_s, budget_s: (_ for _ in ()).throw(
         KeyboardInterrupt("signal SIGTERM")))
