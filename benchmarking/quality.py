@@ -394,7 +394,7 @@ def compare(settings: QualitySettings, say: Say) -> tuple[list[Outcome], bool]:
     sources = {t: open_data(settings, t) for t in lengths}
     planned = configs(settings, sources)
     if settings.out is not None:
-        quality_state.begin(settings, planned, validation_rows(settings))
+        quality_state.begin(settings, planned, validation_rows(settings), sources[lengths[0]])
     outcomes: list[Outcome] = []
     try:
         with sigterm_as_interrupt():

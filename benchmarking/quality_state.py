@@ -2,7 +2,9 @@
 
 DIR/resume/ holds, while the comparison runs:
 - `plan.json`: what is compared (the budget, the interval, the validation batches, the seed, the data, every
-  recipe's resolved configuration and --stop-at-target); --resume continues only the same plan.
+  recipe's resolved configuration and --stop-at-target); --resume continues only the same plan;
+- `data.json`: what the data is (training/data/record.py: its content's fingerprint); --resume refuses other data
+  under the same path;
 - `<size>-<recipe>.json`: a recipe that ended (its evaluations, counts and status), which --resume keeps;
 - `<size>-<recipe>/`: a recipe still training, as of its last evaluation: a checkpoint (training/checkpoint: model,
   optimizer, scaler) that also holds the recipe's steps, clock and evaluations. It is written at every evaluation,
@@ -26,6 +28,8 @@ import torch
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.resume import load_checkpoint, save_checkpoint
 from training.config import Config, ConfigError
+from training.data import DataSource
+from training.data.record import DATA_NOTE, data_note, note_of, same_data
 from training.parallel.distributed import DistContext
 from training.run.files import write_atomic
 
@@ -71,15 +75,27 @@ def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Conf
     return json.loads(json.dumps(plan))  # as plan.json reads back (tuples as lists), so that the two compare
 
 
-def begin(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config, frozenset]],
-          val_rows: int) -> None:
-    """Before anything trains: write the plan, or (--resume) check that it is the stopped comparison's."""
+def begin(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config, frozenset]], val_rows: int,
+          source: DataSource) -> None:
+    """Before anything trains: write the plan and what the data is, or (--resume) check that both are the stopped
+    comparison's: the data by its content (training/data/record.py), not only its path."""
     directory = state_dir(settings.out)
     plan = plan_of(settings, planned, val_rows)
     if not settings.resume:
         directory.mkdir(parents=True, exist_ok=True)
         _write_json(directory / PLAN, plan)
+        _write_json(directory / DATA_NOTE, note_of(source))
         return
+    _check_plan(settings, plan)
+    recorded = data_note(directory)  # None: a state written before the data was recorded
+    if recorded is not None and not same_data(recorded, source):
+        raise ConfigError(f"--resume: --data {settings.data or 'the built-in corpus'} ({source.description}) is not the "
+                          f"data the stopped comparison in {settings.out} trained on (recorded in "
+                          f"{directory / DATA_NOTE}); give that data, or start a new comparison in another --out")
+
+
+def _check_plan(settings: QualitySettings, plan: dict[str, Any]) -> None:
+    directory = state_dir(settings.out)
     try:
         saved = json.loads((directory / PLAN).read_text())
     except (OSError, ValueError) as e:

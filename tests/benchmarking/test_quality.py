@@ -214,7 +214,7 @@ def test_a_stopped_comparison_resumes_where_its_last_evaluation_was_and_ends_as_
     outcomes, interrupted = quality.compare(settings(out=stopped, **common), say=lambda line: None)
     assert interrupted and [o.status for o in outcomes] == ["ok", "interrupted"]
     state = stopped / "resume"
-    assert sorted(p.name for p in state.iterdir()) == ["plan.json", "tiny-adamw.json", "tiny-muon"]
+    assert sorted(p.name for p in state.iterdir()) == ["data.json", "plan.json", "tiny-adamw.json", "tiny-muon"]
     assert [p.name for p in (state / "tiny-muon").iterdir()] == ["checkpoint-4.safetensors"]
 
     stop_at["step"] = None
@@ -238,13 +238,15 @@ def test_a_stop_during_the_warm_up_steps_is_an_interruption_that_resume_trains_a
     given = settings(recipes=["muon"], data=str(text_file), cache_dir=tmp_path / "cache", out=tmp_path)
     (outcome,), interrupted = quality.compare(given, say=lambda line: None)
     assert interrupted and (outcome.status, outcome.points) == ("interrupted", [])
-    assert [p.name for p in (tmp_path / "resume").iterdir()] == ["plan.json"]  # nothing kept as ended
+    assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["data.json", "plan.json"]  # none ended
 
 
 def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, text_file):
     monkeypatch.setattr(RecipeRun, "train_step", lambda self, clock_s, budget_s: (_ for _ in ()).throw(
         KeyboardInterrupt("signal SIGTERM")))
-    common = dict(data=str(text_file), cache_dir=tmp_path / "cache", out=tmp_path, interval_s=0.5)
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(text_file.read_bytes())
+    common = dict(data=str(data), cache_dir=tmp_path / "cache", out=tmp_path, interval_s=0.5)
     _, interrupted = quality.compare(settings(budget_s=60.0, **common), say=lambda line: None)
     assert interrupted and (tmp_path / "resume" / "plan.json").is_file()
     with pytest.raises(ConfigError, match=rf"^--resume: the stopped comparison in {tmp_path} had other --minutes "
@@ -256,3 +258,8 @@ def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, 
         quality.compare(settings(budget_s=60.0, resume=True, overrides=lr, **common), say=lambda line: None)
     with pytest.raises(ConfigError, match=r"other --stop-at-target \(False then, True now\)"):
         quality.compare(settings(budget_s=60.0, resume=True, stop_at_target=True, **common), say=lambda line: None)
+    data.write_text(data.read_text()[::-1])  # the same path, other text
+    with pytest.raises(ConfigError, match=rf"^--resume: --data {data} \(.*\) is not the data the stopped "
+                                          rf"comparison in {tmp_path} trained on \(recorded in {tmp_path}/resume/"
+                                          r"data.json\); give that data"):
+        quality.compare(settings(budget_s=60.0, resume=True, **common), say=lambda line: None)
