@@ -54,7 +54,8 @@ class FakeTime:
         return self.now
 
 
-def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypatch):
+def timed_by(monkeypatch, evaluate) -> FakeTime:
+    """The quality module on a fake clock where a step takes 0.25 s, each run scored by `evaluate(run)`."""
     fake = FakeTime()
     monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
     real_step = RecipeRun.train_step
@@ -63,12 +64,17 @@ def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypa
         fake.now += 0.25
         return real_step(self, clock_s, budget_s)
 
-    def evaluate(self):
-        fake.now += 5.0
-        return Evaluation(4.0 - self.steps / 10, 1.0, 256)
-
     monkeypatch.setattr(RecipeRun, "train_step", step)
     monkeypatch.setattr(RecipeRun, "evaluate", evaluate)
+    return fake
+
+
+def test_the_clock_counts_training_alone_and_evaluates_at_each_interval(monkeypatch):
+    def evaluate(run):
+        fake.now += 5.0
+        return Evaluation(4.0 - run.steps / 10, 1.0, 256)
+
+    fake = timed_by(monkeypatch, evaluate)
     config, explicit = quality.resolved_config("adamw", TINY, OVERRIDES)
     run = quality.build_run("adamw", "tiny", config, explicit, _source(), 4)
     quality.train_for(run, budget_s=1.0, interval_s=0.5, say=lambda line: None)
@@ -82,20 +88,11 @@ def test_stop_at_target_ends_each_later_recipe_at_its_first_evaluation_at_or_bel
         monkeypatch, tmp_path, text_file):
     """Steps take 0.25 s of a fake clock; adamw's bits per byte fall by 0.125 a step, muon's by 0.25: adamw trains its
     2 s and ends at 3.0, which muon reaches at step 4 (1.0 s), where it stops."""
-    fake = FakeTime()
-    monkeypatch.setattr(quality.time, "perf_counter", fake.perf_counter)
-    real_step = RecipeRun.train_step
-
-    def step(self, clock_s, budget_s):
-        fake.now += 0.25
-        return real_step(self, clock_s, budget_s)
-
-    def evaluate(self):
-        bpb = 4.0 - self.steps * (0.125 if self.label == "adamw" else 0.25)
+    def evaluate(run):
+        bpb = 4.0 - run.steps * (0.125 if run.label == "adamw" else 0.25)
         return Evaluation(bpb, 1 / math.log(2), 256)  # loss in nats = bits per byte at this many bytes a token
 
-    monkeypatch.setattr(RecipeRun, "train_step", step)
-    monkeypatch.setattr(RecipeRun, "evaluate", evaluate)
+    timed_by(monkeypatch, evaluate)
     said = []
     given = settings(data=str(text_file), cache_dir=tmp_path / "cache", budget_s=2.0, stop_at_target=True)
     (adamw, muon), _ = quality.compare(given, say=said.append)
