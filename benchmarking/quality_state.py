@@ -83,8 +83,8 @@ def begin(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config
     plan = plan_of(settings, planned, val_rows)
     if not settings.resume:
         directory.mkdir(parents=True, exist_ok=True)
-        _write_json(directory / PLAN, plan)
         _write_json(directory / DATA_NOTE, note_of(source))
+        _write_json(directory / PLAN, plan)  # last: a plan.json is what makes the directory a stopped comparison
         return
     _check_plan(settings, plan)
     recorded = data_note(directory)  # None: a state written before the data was recorded
