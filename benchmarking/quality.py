@@ -49,6 +49,7 @@ from training.trainer import split
 Say = Callable[[str], None]
 ENDED = ("ok", "diverged", "OOM")  # outcomes a resumed comparison keeps; it trains the others (interrupted, error) again
 UNKNOWN_STEPS = 10**9  # a run's length before its speed is known
+STOPPED = "stopped at the target (--stop-at-target)"  # the message of a run that did
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,9 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
     """Train until `budget_s` seconds of training, evaluating every `interval_s` of them (and at 0 and the end), from
     where `run` is (a resumed run's clock and evaluations); `state` keeps a snapshot at each evaluation; with
     `stop_bpb`, the first evaluation at or below it ends the run."""
+    if reached(run, stop_bpb):  # a snapshot taken at the target, its outcome not yet kept
+        stop_there(run, say)
+        return
     clock, loss = Clock(run.step.device), None
     clock.total = run.train_s
     try:
@@ -253,6 +257,7 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
         if not run.points and not record(run, clock, loss, state):
             return
         if reached(run, stop_bpb):
+            stop_there(run, say)
             return
         next_eval = (math.floor(clock.total / interval_s) + 1) * interval_s
         clock.start()
@@ -265,7 +270,7 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
                     return
                 say(progress_line(run, budget_s))
                 if reached(run, stop_bpb):
-                    say(f"{run.size} {run.label}: reached the target {stop_bpb:.4f} bpb, stopped (--stop-at-target)")
+                    stop_there(run, say)
                     return
                 next_eval = (math.floor(clock.total / interval_s) + 1) * interval_s
                 clock.start()
@@ -281,6 +286,11 @@ def train_for(run: RecipeRun, budget_s: float, interval_s: float, say: Say,
 
 def reached(run: RecipeRun, stop_bpb: Optional[float]) -> bool:
     return stop_bpb is not None and bool(run.points) and run.points[-1]["val_bpb"] <= stop_bpb
+
+
+def stop_there(run: RecipeRun, say: Say) -> None:
+    run.message = STOPPED
+    say(f"{run.size} {run.label}: {run.points[-1]['val_bpb']:.4f} bpb, {STOPPED}")
 
 
 def stop_bpb(settings: QualitySettings, size: str, outcomes: list[Outcome]) -> Optional[float]:
@@ -366,6 +376,10 @@ def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: Dat
         if state is not None and settings.resume and state.restore(run):
             say(f"{size} {label}: resumed at {run.train_s:.1f} s of training, step {run.steps}")
         train_for(run, settings.budget_s, settings.interval_s, say, state, stop_bpb(settings, size, outcomes))
+    except KeyboardInterrupt:
+        if run is not None and run.status == "ok":  # stopped before training began (loading its snapshot)
+            run.status, run.message = "interrupted", "stopped before it trained"
+        raise
     except torch.OutOfMemoryError as e:
         failure = ("OOM", str(e).splitlines()[0][:300])
     except (RuntimeError, ValueError, ConfigError) as e:  # one broken recipe must not lose the others

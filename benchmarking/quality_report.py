@@ -34,8 +34,8 @@ COLUMNS: dict[str, str] = {
     "tokens_per_s": "tokens on the clock / train_s",
     "mfu": "model FLOPs utilisation at that speed (training.metrics.mfu; empty on the CPU)",
     "evals": "evaluations (at 0, every --eval-interval-s of training, and at the end)",
-    "final_loss": "validation loss at the end, nats per token",
-    "final_bpb": "validation bits per byte at the end",
+    "final_loss": "validation loss at the last evaluation (the end, or the stop of --stop-at-target), nats a token",
+    "final_bpb": "validation bits per byte at the last evaluation",
     "best_bpb": "lowest validation bits per byte of the run",
     "target_bpb": "the target: --target-bpb, else the first recipe's final_bpb",
     "reached": "whether an evaluation reached the target (bits per byte at or below it)",
@@ -44,7 +44,7 @@ COLUMNS: dict[str, str] = {
     "steps_to_target": "steps at that evaluation",
     "speedup": "the first recipe's time_to_target_s over this recipe's (above 1: faster)",
     "status": "ok, diverged (a non-finite loss), interrupted, OOM or error",
-    "message": "why, when status is not ok",
+    "message": "why, when status is not ok; or that --stop-at-target stopped it",
 }
 CURVE_COLUMNS = ("size", "recipe", "clock_s", "step", "tokens", "train_loss", "val_loss", "val_bpb")
 
@@ -118,7 +118,7 @@ def rows(outcomes: Sequence[Outcome], settings: QualitySettings) -> list[dict[st
 def verdict(r: dict[str, Any], first: dict[str, Any]) -> str:
     """One line: when the recipe reached the target, or that it never did."""
     name = f"{r['size']} {r['recipe']}"
-    why = f" [{r['status']}: {r['message']}]" if r["status"] != "ok" else ""
+    why = f" [{r['status']}: {r['message']}]" if r["message"] else ""
     if r["target_bpb"] is None:
         return f"{name}: no target{why}"
     if not r["reached"]:
@@ -173,7 +173,8 @@ def settings_line(settings: QualitySettings, goal: dict[str, tuple[Optional[floa
     where = (f" Recipes ran side by side, one at a time on each of {', '.join(settings.devices)}."
              if len(settings.devices) > 1 else "")
     if settings.stop_at_target:
-        where += (" Each recipe stopped at its first evaluation at or below the target (--stop-at-target), its learning "
+        which = "Each recipe" if settings.target_bpb is not None else "Each recipe after the first"
+        where += (f" {which} stopped at its first evaluation at or below the target (--stop-at-target), its learning "
                   "rate on the whole budget's schedule.")
     return (f"Data: {settings.data or 'the built-in corpus'}. Each recipe trains the same model from seed "
             f"{settings.seed} on the same batches for {settings.budget_s:g} s of training (the clock stops while it "
@@ -192,7 +193,7 @@ def results_markdown(table: Sequence[dict[str, Any]], settings: QualitySettings,
                      goal: dict[str, tuple[Optional[float], str]], plot: Optional[Path]) -> list[str]:
     shown = [{**r, "mfu_pct": None if r["mfu"] is None else 100 * r["mfu"],
               "time_to_target_s": r["time_to_target_s"] if r["reached"] else "never",
-              "status": r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"} for r in table]
+              "status": f"{r['status']}: {r['message']}" if r["message"] else r["status"]} for r in table]
     blocks = [f"`{command}`", settings_line(settings, goal),
               report.markdown_table(shown, MARKDOWN_COLUMNS, formats={
                   "lr": "g", "ms_per_step": ".1f", "mfu_pct": ".1f", "final_bpb": ".4f", "best_bpb": ".4f",

@@ -2,7 +2,7 @@
 
 DIR/resume/ holds, while the comparison runs:
 - `plan.json`: what is compared (the budget, the interval, the validation batches, the seed, the data, every
-  recipe's resolved configuration and --stop-at-target); --resume continues only the same plan;
+  recipe's resolved configuration, --stop-at-target and --target-bpb); --resume continues only the same plan;
 - `data.json`: what the data is (training/data/record.py: its content's fingerprint); --resume refuses other data
   under the same path;
 - `<size>-<recipe>.json`: a recipe that ended (its evaluations, counts and status), which --resume keeps;
@@ -41,7 +41,10 @@ PLAN = "plan.json"
 # The plan's settings and the flags that set them, for the message when --resume is given other ones.
 PLAN_FLAGS = {"budget_s": "--minutes", "interval_s": "--eval-interval-s", "eval_batches": "--eval-batches",
               "val_rows": "--batch-size (the validation batches' rows)", "seed": "--seed", "data": "--data",
-              "recipes": "--recipes and --sizes", "stop_at_target": "--stop-at-target"}
+              "recipes": "--recipes and --sizes", "stop_at_target": "--stop-at-target",
+              "target_bpb": "--target-bpb"}
+# What a plan written before a setting existed ran with.
+PLAN_DEFAULTS = {"stop_at_target": False, "target_bpb": None}
 COUNTS = ("steps", "timed_steps", "train_s", "warmup_s", "points")  # a RecipeRun's figures that a resume continues
 
 
@@ -71,7 +74,7 @@ def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Conf
         recipes[key] = config.to_dict()
     plan = {"budget_s": settings.budget_s, "interval_s": settings.interval_s, "eval_batches": settings.eval_batches,
             "val_rows": val_rows, "seed": settings.seed, "data": settings.data, "recipes": recipes,
-            "stop_at_target": settings.stop_at_target}
+            "stop_at_target": settings.stop_at_target, "target_bpb": settings.target_bpb}
     return json.loads(json.dumps(plan))  # as plan.json reads back (tuples as lists), so that the two compare
 
 
@@ -89,16 +92,17 @@ def begin(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config
     _check_plan(settings, plan)
     recorded = data_note(directory)  # None: a state written before the data was recorded
     if recorded is not None and not same_data(recorded, source):
-        raise ConfigError(f"--resume: --data {settings.data or 'the built-in corpus'} ({source.description}) is not the "
-                          f"data the stopped comparison in {settings.out} trained on (recorded in "
-                          f"{directory / DATA_NOTE}); give that data, or start a new comparison in another --out")
+        data = settings.data or "the built-in corpus"
+        raise ConfigError(f"--resume: --data {data} ({source.description}) is not the data the stopped comparison in "
+                          f"{settings.out} trained on (recorded in {directory / DATA_NOTE}); give that data, or start a "
+                          "new comparison in another --out")
 
 
 def _check_plan(settings: QualitySettings, plan: dict[str, Any]) -> None:
     directory = state_dir(settings.out)
     try:
-        saved = json.loads((directory / PLAN).read_text())
-    except (OSError, ValueError) as e:
+        saved = {**PLAN_DEFAULTS, **json.loads((directory / PLAN).read_text())}
+    except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--resume: {directory / PLAN} cannot be read ({e})") from None
     for name, flag in PLAN_FLAGS.items():
         if saved.get(name) != plan[name]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarking import quality, quality_report
+from benchmarking import quality, quality_report, quality_state
 from benchmarking.quality import Outcome, QualitySettings, RecipeRun
 from model import ModelConfig
 from training.config import Config, ConfigError
@@ -99,12 +99,22 @@ def test_stop_at_target_ends_each_later_recipe_at_its_first_evaluation_at_or_bel
     assert [p["clock_s"] for p in adamw.points] == [0.0, 0.5, 1.0, 1.5, 2.0] and adamw.train_s == 2.0
     assert [(p["clock_s"], p["step"]) for p in muon.points] == [(0.0, 0), (0.5, 2), (1.0, 4)]
     assert (muon.status, muon.train_s, muon.steps) == ("ok", 1.0, 4)
-    assert "tiny muon: reached the target 3.0000 bpb, stopped (--stop-at-target)" in said
+    assert "tiny muon: 3.0000 bpb, stopped at the target (--stop-at-target)" in said
     table = quality_report.rows([adamw, muon], given)
     assert [(r["reached"], r["time_to_target_s"], r["speedup"]) for r in table] == [(True, 2.0, 1.0),
                                                                                    (True, 1.0, 2.0)]
+    assert quality_report.verdicts(table)[1] == ("tiny muon: reached 3.0000 bpb after 1.0 s, 512 tokens, step 4 (2.00x "
+                                                 "the speed of adamw) [ok: stopped at the target (--stop-at-target)]")
     (adamw, muon), _ = quality.compare(dataclasses.replace(given, target_bpb=3.5), say=said.append)
     assert [p["clock_s"] for p in adamw.points][-1] == 1.0 and [p["clock_s"] for p in muon.points][-1] == 0.5
+
+    # A run resumed from a snapshot taken at the target stops before its warm-up steps train anything.
+    monkeypatch.setattr(quality, "warm_up_steps", lambda config: 2)
+    config, explicit = quality.resolved_config("muon", TINY, OVERRIDES)
+    run = quality.build_run("muon", "tiny", config, explicit, _source(), 4)
+    run.points = [{"clock_s": 1.0, "step": 4, "val_bpb": 2.9}]
+    quality.train_for(run, budget_s=2.0, interval_s=0.5, say=said.append, stop_bpb=3.0)
+    assert (run.steps, run.points[-1]["step"], run.message) == (0, 4, quality.STOPPED)
 
 
 def test_every_recipe_is_scored_on_the_same_validation_rows_whatever_its_batch_size(tmp_path):
@@ -237,6 +247,12 @@ def test_a_stop_during_the_warm_up_steps_is_an_interruption_that_resume_trains_a
     assert interrupted and (outcome.status, outcome.points) == ("interrupted", [])
     assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["data.json", "plan.json"]  # none ended
 
+    monkeypatch.setattr(quality_state.RecipeState, "restore", lambda state, run: (_ for _ in ()).throw(
+        KeyboardInterrupt("signal SIGTERM")))  # as while a snapshot loads
+    (outcome,), interrupted = quality.compare(dataclasses.replace(given, resume=True), say=lambda line: None)
+    assert interrupted and (outcome.status, outcome.message) == ("interrupted", "stopped before it trained")
+    assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["data.json", "plan.json"]
+
 
 def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, text_file):
     monkeypatch.setattr(RecipeRun, "train_step", lambda self, clock_s, budget_s: (_ for _ in ()).throw(
@@ -255,6 +271,14 @@ def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, 
         quality.compare(settings(budget_s=60.0, resume=True, overrides=lr, **common), say=lambda line: None)
     with pytest.raises(ConfigError, match=r"other --stop-at-target \(False then, True now\)"):
         quality.compare(settings(budget_s=60.0, resume=True, stop_at_target=True, **common), say=lambda line: None)
+    with pytest.raises(ConfigError, match=r"other --target-bpb \(None then, 3.0 now\)"):
+        quality.compare(settings(budget_s=60.0, resume=True, target_bpb=3.0, **common), say=lambda line: None)
+    plan = json.loads((tmp_path / "resume" / "plan.json").read_text())
+    for name in ("stop_at_target", "target_bpb"):  # a plan written before these settings existed: without them
+        del plan[name]
+    (tmp_path / "resume" / "plan.json").write_text(json.dumps(plan))
+    _, interrupted = quality.compare(settings(budget_s=60.0, resume=True, **common), say=lambda line: None)
+    assert interrupted  # resumed, and stopped by the first step again
     data.write_text(data.read_text()[::-1])  # the same path, other text
     with pytest.raises(ConfigError, match=rf"^--resume: --data {data} \(.*\) is not the data the stopped "
                                           rf"comparison in {tmp_path} trained on \(recorded in {tmp_path}/resume/"
