@@ -78,5 +78,6 @@ def describe(info: dict[str, Any]) -> str:
         if info.get(key):
             parts.append(f"{label} {info[key]}")
     if info.get("git_commit"):
-        parts.append(f"git {str(info['git_commit'])[:12]}")
+        sha, _, dirty = str(info["git_commit"]).partition("-")
+        parts.append(f"git {sha[:12]}{'-' + dirty if dirty else ''}")  # a tree with changes says so
     return " | ".join(parts)

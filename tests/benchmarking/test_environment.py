@@ -27,3 +27,4 @@ def test_git_commit(tmp_path):
     assert git_commit(tmp_path) == sha
     (tmp_path / "f.txt").write_text("two")
     assert git_commit(tmp_path) == sha + "-dirty"
+    assert describe({"git_commit": sha + "-dirty"}).endswith(f"git {sha[:12]}-dirty")  # not cut off
