@@ -298,13 +298,9 @@ def stop_bpb(settings: QualitySettings, size: str, outcomes: list[Outcome]) -> O
     first recipe once it has ended (recipes one after another; that one itself trains its whole budget)."""
     if not settings.stop_at_target:
         return None
-    if settings.target_bpb is not None:
-        return settings.target_bpb
-    from benchmarking.quality_report import final_point
+    from benchmarking.quality_report import targets  # the report's target, the one its rows are judged by
 
-    first = next((o for o in outcomes if o.size == size), None)
-    final = final_point(first) if first is not None else None
-    return final["val_bpb"] if final else None
+    return targets(outcomes, settings)[size][0]
 
 
 def progress_line(run: RecipeRun, budget_s: float) -> str:
