@@ -151,8 +151,10 @@ def _add_quality_flags(p: argparse.ArgumentParser) -> None:
                    help=f"recipes to compare, by name ({', '.join(RECIPES)}) or JSON file of config sections "
                         "(default adamw,muon); the first one's final bits per byte is the target")
     q.add_argument("--data", help="what every recipe trains on, as train.py's --data (default: the built-in corpus)")
-    q.add_argument("--minutes", type=float, default=20.0, help="seconds of training per recipe, in minutes (default "
-                                                               "20); evaluation and compilation are off the clock")
+    q.add_argument("--minutes", nargs="+", default=["20"],
+                   help="training time per recipe (default 20): one value for every recipe, or one each in --recipes' "
+                        "order (20,10: does the second reach the first's final value in half the time?); evaluation "
+                        "and compilation are off the clock, and each recipe's schedule spans its own budget")
     q.add_argument("--eval-interval-s", type=float, default=60.0,
                    help="validation bits per byte every this many seconds of training (default 60)")
     q.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation (default 10)")
@@ -346,8 +348,7 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for flag, values in (("--attn", args.attn), ("--dtype", dtypes), ("--fp8", args.fp8), ("--context-lengths", lengths)):
         if len(values) > 1:
             p.error(f"{flag}: --mode {QUALITY_MODE} compares recipes on one configuration; give one value")
-    for flag, value, least in (("--minutes", args.minutes, 0), ("--eval-interval-s", args.eval_interval_s, 0),
-                               ("--target-bpb", args.target_bpb, 0)):
+    for flag, value, least in (("--eval-interval-s", args.eval_interval_s, 0), ("--target-bpb", args.target_bpb, 0)):
         if value is not None and not value > least:
             p.error(f"{flag} must be > {least}, got {value:g}")
     for flag, value in (("--eval-batches", args.eval_batches), ("--batch-size", args.batch_size)):
@@ -357,6 +358,7 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for spec in recipes:
         if spec not in RECIPES and not Path(spec).is_file():
             p.error(f"--recipes: {spec!r} is neither a recipe ({', '.join(RECIPES)}) nor a JSON file")
+    recipes, budgets_s = _recipe_budgets(p, recipes, _split(args.minutes))
     sizes = {k: m if not lengths else dataclasses.replace(m, context_length=lengths[0])
              for k, m in _models(p, args).items()}
     devices = quality_devices(p, args)
@@ -365,11 +367,32 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 "not known while the others train")
     if len(devices) == 1:  # one device: the recipes one after another on it
         args.device, devices = torch.device(devices[0]), ()
-    args.quality = QualitySettings(sizes, list(dict.fromkeys(recipes)), args.data, 60 * args.minutes,
+    args.quality = QualitySettings(sizes, recipes, args.data, budgets_s,
                                    args.eval_interval_s, args.target_bpb, args.seed, args.eval_batches,
                                    quality_overrides(args, dtypes), Path("runs") / ".token_cache", devices,
                                    resume=args.resume, stop_at_target=args.stop_at_target)
     return args
+
+
+def _recipe_budgets(p: argparse.ArgumentParser, recipes: list[str],
+                    minutes: list[str]) -> tuple[list[str], tuple[float, ...]]:
+    """--recipes, each once, and the seconds of training of each from --minutes (one value, or one per recipe)."""
+    values = []
+    for m in minutes:
+        try:
+            values.append(float(m))
+        except ValueError:
+            p.error(f"--minutes: {m!r} is not a number")
+        if not values[-1] > 0:
+            p.error(f"--minutes must be > 0, got {values[-1]:g}")
+    if len(values) == 1:
+        unique = list(dict.fromkeys(recipes))
+        return unique, (60 * values[0],) * len(unique)
+    if len(values) != len(recipes):
+        p.error(f"--minutes: give one value, or one for each of the {len(recipes)} --recipes; got {len(values)}")
+    if len(set(recipes)) < len(recipes):
+        p.error("--minutes: one value per recipe needs each recipe once in --recipes")
+    return recipes, tuple(60 * v for v in values)
 
 
 def quality_devices(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
@@ -836,7 +859,7 @@ def time_to_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     settings, env = args.quality, environment_info(args.device)
     print(f"bench_model: time to quality of {', '.join(map(quality.recipe_label, settings.recipes))} on "
-          f"{', '.join(settings.sizes)}, {settings.budget_s:g} s of training each, on {describe(env)}; writing "
+          f"{', '.join(settings.sizes)}, {settings.budget_words()}, on {describe(env)}; writing "
           f"{args.out}", flush=True)
     try:
         outcomes, interrupted = quality.compare(settings, lambda line: print(line, flush=True))

@@ -3,7 +3,8 @@
 `bench_model.py --mode time-to-quality --recipes adamw,muon --data DIR --minutes 20 --eval-interval-s 60` trains,
 for each model size and each recipe (training/recipes.py, or a JSON file of config sections), the same model from
 the same seed on the same data and batches, with the recipe's step built by training.step.build_step from its
-resolved configuration, as train.py builds it, for a wall-clock budget. The clock counts training alone:
+resolved configuration, as train.py builds it, for a wall-clock budget: one for every recipe, or one each (`--minutes
+20,10`: does the second recipe reach the first one's final value in half its time?). The clock counts training alone:
 
 - the first steps, which compile and capture the CUDA graph (training.step.warm_up_steps), are timed apart, as
   train.py's logged step times are;
@@ -59,7 +60,7 @@ class QualitySettings:
     sizes: dict[str, ModelConfig]  # the model of each size, its context length set (the vocabulary is the data's)
     recipes: list[str]  # recipe names or JSON files
     data: Optional[str]  # --data: None is the built-in corpus
-    budget_s: float
+    budgets_s: tuple[float, ...]  # seconds of training of each recipe, in the order of `recipes`
     interval_s: float
     target_bpb: Optional[float]
     seed: int
@@ -70,6 +71,34 @@ class QualitySettings:
     out: Optional[Path] = None  # --out, where the comparison's state is kept as it runs (quality_state.py); None: not
     resume: bool = False  # continue the stopped comparison in `out`
     stop_at_target: bool = False  # a recipe stops at its first evaluation at or below the target (stop_bpb)
+
+    def __post_init__(self):
+        if len(self.budgets_s) != len(self.recipes):
+            raise ValueError(f"{len(self.budgets_s)} budgets for {len(self.recipes)} recipes")
+
+    def budget_s(self, recipe: str) -> float:
+        """Seconds of training of `recipe` (a spec of `recipes`, or its label)."""
+        labels = [recipe_label(spec) for spec in self.recipes]
+        return self.budgets_s[labels.index(recipe_label(recipe))]
+
+    @property
+    def common_budget_s(self) -> Optional[float]:
+        """The budget of every recipe, or None when they differ."""
+        return self.budgets_s[0] if len(set(self.budgets_s)) == 1 else None
+
+    @property
+    def budget_record(self) -> float | dict[str, float]:
+        """The budget as the plan and results.json hold it: seconds, or seconds by recipe label when they differ."""
+        if self.common_budget_s is not None:
+            return self.common_budget_s
+        return {recipe_label(spec): b for spec, b in zip(self.recipes, self.budgets_s)}
+
+    def budget_words(self) -> str:
+        """'1200 s of training each', or 'adamw 1200 s, speedrun 600 s of training'."""
+        if self.common_budget_s is not None:
+            return f"{self.common_budget_s:g} s of training each"
+        each = ", ".join(f"{recipe_label(spec)} {b:g} s" for spec, b in zip(self.recipes, self.budgets_s))
+        return f"{each} of training"
 
 
 def recipe_label(spec: str) -> str:
@@ -371,7 +400,7 @@ def run_one(spec: str, size: str, planned: tuple[Config, frozenset], source: Dat
         run = build_run(spec, size, config, explicit, source, validation_rows(settings))
         if state is not None and settings.resume and state.restore(run):
             say(f"{size} {label}: resumed at {run.train_s:.1f} s of training, step {run.steps}")
-        train_for(run, settings.budget_s, settings.interval_s, say, state, stop_bpb(settings, size, outcomes))
+        train_for(run, settings.budget_s(spec), settings.interval_s, say, state, stop_bpb(settings, size, outcomes))
     except KeyboardInterrupt:
         if run is not None and run.status == "ok":  # stopped before training began (loading its snapshot)
             run.status, run.message = "interrupted", "stopped before it trained"
@@ -428,7 +457,7 @@ def compare(settings: QualitySettings, say: Say) -> tuple[list[Outcome], bool]:
 
 def plan_line(size: str, spec: str, config: Config, settings: QualitySettings) -> str:
     return (f"{size} {recipe_label(spec)}: {config.optim.optimizer} lr {config.optim.lr:g}, "
-            f"{', '.join(execution_words(config))}; {settings.budget_s:g} s of training")
+            f"{', '.join(execution_words(config))}; {settings.budget_s(spec):g} s of training")
 
 
 def execution_words(config: Config) -> list[str]:

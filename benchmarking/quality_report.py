@@ -78,8 +78,8 @@ def reach(outcome: Outcome, target: Optional[float]) -> Optional[dict[str, Any]]
 def row(outcome: Outcome, target: Optional[float], settings: QualitySettings) -> dict[str, Any]:
     """One size and recipe: its settings, speed, final and best figures, and when it reached the target."""
     r: dict[str, Any] = {c: None for c in COLUMNS}
-    r.update(size=outcome.size, recipe=outcome.recipe, budget_s=settings.budget_s, status=outcome.status,
-             message=outcome.message or None, target_bpb=target)
+    r.update(size=outcome.size, recipe=outcome.recipe, budget_s=settings.budget_s(outcome.recipe),
+             status=outcome.status, message=outcome.message or None, target_bpb=target)
     c = outcome.config
     if c is not None:
         ex = c.execution
@@ -176,8 +176,10 @@ def settings_line(settings: QualitySettings, goal: dict[str, tuple[Optional[floa
         which = "Each recipe" if settings.target_bpb is not None else "Each recipe after the first"
         where += (f" {which} stopped at its first evaluation at or below the target (--stop-at-target), its learning "
                   "rate on the whole budget's schedule.")
+    if settings.common_budget_s is None:
+        where += " Each recipe's learning rate follows the schedule of its own budget."
     return (f"Data: {settings.data or 'the built-in corpus'}. Each recipe trains the same model from seed "
-            f"{settings.seed} on the same batches for {settings.budget_s:g} s of training (the clock stops while it "
+            f"{settings.seed} on the same batches for {settings.budget_words()} (the clock stops while it "
             f"evaluates; the first steps, which compile and capture, are timed apart), and is scored every "
             f"{settings.interval_s:g} s on the same {settings.eval_batches} validation batches of "
             f"{validation_rows(settings)} sequences.{where} Target: {aims}.")
@@ -212,7 +214,7 @@ def write_outputs(table: list[dict[str, Any]], outcomes: Sequence[Outcome], sett
     curves = [{k: p.get(k) for k in CURVE_COLUMNS} for o in outcomes for p in o.points]
     plot = plot_curves(curves, goal, out / "curves.png")
     config = {"command": command, "sizes": {k: m.to_dict() for k, m in settings.sizes.items()},
-              "recipes": settings.recipes, "data": settings.data, "budget_s": settings.budget_s,
+              "recipes": settings.recipes, "data": settings.data, "budget_s": settings.budget_record,
               "interval_s": settings.interval_s, "target_bpb": settings.target_bpb,
               "stop_at_target": settings.stop_at_target, "seed": settings.seed, "eval_batches": settings.eval_batches,
               "overrides": {f"{s}.{f}": v for (s, f), v in settings.overrides.items()},

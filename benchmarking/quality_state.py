@@ -1,8 +1,9 @@
 """A time-to-quality comparison on disk, so that a stopped one continues: `bench_model.py ... --out DIR --resume`.
 
 DIR/resume/ holds, while the comparison runs:
-- `plan.json`: what is compared (the budget, the interval, the validation batches, the seed, the data, every
-  recipe's resolved configuration, --stop-at-target and --target-bpb); --resume continues only the same plan;
+- `plan.json`: what is compared (the budget, or each recipe's, the interval, the validation batches, the seed, the
+  data, every recipe's resolved configuration, --stop-at-target and --target-bpb); --resume continues only the same
+  plan;
 - `data.json`: what the data is (training/data/record.py: its content's fingerprint); --resume refuses other data
   under the same path;
 - `<size>-<recipe>.json`: a recipe that ended (its evaluations, counts and status), which --resume keeps;
@@ -72,9 +73,9 @@ def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Conf
             raise ConfigError(f"--recipes: two recipes are named {recipe_label(spec)!r} (the files' names): rename "
                               "one, so that each has its own results")
         recipes[key] = config.to_dict()
-    plan = {"budget_s": settings.budget_s, "interval_s": settings.interval_s, "eval_batches": settings.eval_batches,
-            "val_rows": val_rows, "seed": settings.seed, "data": settings.data, "recipes": recipes,
-            "stop_at_target": settings.stop_at_target, "target_bpb": settings.target_bpb}
+    plan = {"budget_s": settings.budget_record, "interval_s": settings.interval_s,
+            "eval_batches": settings.eval_batches, "val_rows": val_rows, "seed": settings.seed, "data": settings.data,
+            "recipes": recipes, "stop_at_target": settings.stop_at_target, "target_bpb": settings.target_bpb}
     return json.loads(json.dumps(plan))  # as plan.json reads back (tuples as lists), so that the two compare
 
 
@@ -109,10 +110,17 @@ def _check_plan(settings: QualitySettings, plan: dict[str, Any]) -> None:
             if name == "recipes":
                 what = _recipes_difference(saved.get(name) or {}, plan[name])
             else:
-                then, now = (v / 60 if name == "budget_s" and v else v for v in (saved.get(name), plan[name]))
+                then, now = (_minutes(v) if name == "budget_s" else v for v in (saved.get(name), plan[name]))
                 what = f"{then!r} then, {now!r} now"
             raise ConfigError(f"--resume: the stopped comparison in {settings.out} had other {flag} ({what}); give "
                               "the flags it had, or start a new comparison in another --out")
+
+
+def _minutes(budget: Any) -> Any:
+    """A plan's budget in minutes, as --minutes gives it."""
+    if isinstance(budget, dict):
+        return {label: _minutes(b) for label, b in budget.items()}
+    return budget / 60 if isinstance(budget, (int, float)) else budget
 
 
 def _recipes_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:

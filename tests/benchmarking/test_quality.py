@@ -22,10 +22,13 @@ TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=256, c
 OVERRIDES = {("execution", "device"): "cpu", ("data", "batch_size"): 4, ("run", "eval_batches"): 2}
 
 
-def settings(**changes) -> QualitySettings:
-    base = dict(sizes={"tiny": TINY}, recipes=["adamw", "muon"], data=None, budget_s=1.0, interval_s=0.5,
-                target_bpb=None, seed=0, eval_batches=2, overrides=OVERRIDES, cache_dir=None)
-    return QualitySettings(**{**base, **changes})
+def settings(budget_s: float = 1.0, **changes) -> QualitySettings:
+    """The settings of a comparison, `budget_s` for every recipe unless `budgets_s` gives each its own."""
+    base = dict(sizes={"tiny": TINY}, recipes=["adamw", "muon"], data=None, interval_s=0.5, target_bpb=None, seed=0,
+                eval_batches=2, overrides=OVERRIDES, cache_dir=None)
+    given = {**base, **changes}
+    given.setdefault("budgets_s", (budget_s,) * len(given["recipes"]))
+    return QualitySettings(**given)
 
 
 def test_a_recipe_is_its_sections_over_the_size_and_the_flags_win(tmp_path):
@@ -117,6 +120,35 @@ def test_stop_at_target_ends_each_later_recipe_at_its_first_evaluation_at_or_bel
     assert (run.steps, run.points[-1]["step"], run.message) == (0, 4, quality.STOPPED)
 
 
+@pytest.mark.parametrize("budgets_s", [(2.0, 1.0), (1.0, 2.0)])
+def test_each_recipe_trains_for_its_own_budget_on_its_own_schedule(monkeypatch, tmp_path, text_file, budgets_s):
+    """Steps take 0.25 s of a fake clock: each recipe trains its own seconds, and its learning rate ends its cosine
+    decay with them; the report says each budget and measures both against the first recipe's final value."""
+    def evaluate(run):  # adamw's bits per byte fall by 0.125 a step, muon's twice as fast
+        return Evaluation(4.0 - run.steps * (0.125 if run.label == "adamw" else 0.25), 1 / math.log(2), 256)
+
+    timed_by(monkeypatch, evaluate)
+    rates, real_lr = {}, RecipeRun.lr
+    monkeypatch.setattr(RecipeRun, "lr", lambda self, clock_s, budget_s: rates.setdefault(self.label, []).append(
+        real_lr(self, clock_s, budget_s) / self.config.optim.lr) or rates[self.label][-1])
+    given = settings(data=str(text_file), cache_dir=tmp_path / "cache", budgets_s=budgets_s)
+    (adamw, muon), _ = quality.compare(given, say=lambda line: None)
+    assert (adamw.train_s, muon.train_s) == budgets_s and (adamw.steps, muon.steps) == tuple(4 * b for b in budgets_s)
+    short = "muon" if budgets_s[1] < budgets_s[0] else "adamw"
+    long = "adamw" if short == "muon" else "muon"
+    n = len(rates[short])
+    assert rates[short][-1] < rates[long][n - 1]  # further down its decay at the same step: a shorter schedule
+    table = quality_report.rows([adamw, muon], given)
+    assert [r["budget_s"] for r in table] == list(budgets_s)
+    assert [r["time_to_target_s"] for r in table] == [budgets_s[0], budgets_s[0] / 2]
+    line = quality_report.settings_line(given, quality_report.targets([adamw, muon], given))
+    assert (f"for adamw {budgets_s[0]:g} s, muon {budgets_s[1]:g} s of training (the clock" in line
+            and "Each recipe's learning rate follows the schedule of its own budget." in line)
+    assert given.budget_record == {"adamw": budgets_s[0], "muon": budgets_s[1]}
+    assert settings(budget_s=2.0).budget_record == 2.0 and settings(budget_s=2.0).budget_words() == (
+        "2 s of training each")
+
+
 def test_every_recipe_is_scored_on_the_same_validation_rows_whatever_its_batch_size(tmp_path):
     path = tmp_path / "big-batch.json"
     path.write_text(json.dumps({"data": {"batch_size": 32}}))
@@ -162,7 +194,8 @@ def outcome(recipe: str, bpbs: list[float], size: str = "tiny", status: str = "o
 def test_the_target_is_the_first_recipes_final_value_or_the_one_given():
     outcomes = [outcome("adamw", [8.0, 5.0, 4.0, 3.0]), outcome("muon", [8.0, 4.0, 2.9, 2.5]),
                 outcome("slow", [8.0, 6.0, 5.0, 4.0])]
-    table = quality_report.rows(outcomes, settings())
+    three = ["adamw", "muon", "slow"]
+    table = quality_report.rows(outcomes, settings(recipes=three))
     assert [r["target_bpb"] for r in table] == [3.0] * 3
     assert [(r["reached"], r["time_to_target_s"], r["tokens_to_target"]) for r in table] == [
         (True, 30.0, 15 * 128), (True, 20.0, 10 * 128), (False, None, None)]
@@ -173,9 +206,9 @@ def test_the_target_is_the_first_recipes_final_value_or_the_one_given():
         "tiny adamw: reached 3.0000 bpb after 30.0 s, 1,920 tokens, step 15",
         "tiny muon: reached 3.0000 bpb after 20.0 s, 1,280 tokens, step 10 (1.50x the speed of adamw)",
         "tiny slow: never reached 3.0000 bpb in 30 s of training (final 4.0000 bpb)"]
-    given = quality_report.rows(outcomes, settings(target_bpb=4.5))
+    given = quality_report.rows(outcomes, settings(recipes=three, target_bpb=4.5))
     assert [r["time_to_target_s"] for r in given] == [20.0, 10.0, 30.0]
-    assert quality_report.targets(outcomes, settings(target_bpb=4.5)) == {"tiny": (4.5, "--target-bpb")}
+    assert quality_report.targets(outcomes, settings(recipes=three, target_bpb=4.5)) == {"tiny": (4.5, "--target-bpb")}
 
 
 def test_a_diverged_first_recipe_still_gives_a_target_from_its_last_finite_evaluation():
@@ -265,6 +298,8 @@ def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, 
     with pytest.raises(ConfigError, match=rf"^--resume: the stopped comparison in {tmp_path} had other --minutes "
                                           r"\(1.0 then, 2.0 now\); give the flags it had"):
         quality.compare(settings(budget_s=120.0, resume=True, **common), say=lambda line: None)
+    with pytest.raises(ConfigError, match=r"other --minutes \(1.0 then, \{'adamw': 1.0, 'muon': 0.5\} now\)"):
+        quality.compare(settings(budgets_s=(60.0, 30.0), resume=True, **common), say=lambda line: None)
     lr = {**OVERRIDES, ("optim", "lr"): 1e-2}
     with pytest.raises(ConfigError, match=r"other --recipes and --sizes \(tiny-adamw's optim lr: 0.0006 then, 0.01 "
                                           r"now\)"):
