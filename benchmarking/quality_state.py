@@ -2,8 +2,8 @@
 
 DIR/resume/ holds, while the comparison runs:
 - `plan.json`: what is compared (the budget, or each recipe's, the interval, the validation batches, the seed, the
-  data, every recipe's resolved configuration, --stop-at-target and --target-bpb); --resume continues only the same
-  plan;
+  data, every recipe's resolved configuration, --stop-at-target and --target-bpb); --resume continues the same plan,
+  but for the budget and configuration of recipes that have not trained yet, which it may change;
 - `data.json`: what the data is (training/data/record.py: its content's fingerprint); --resume refuses other data
   under the same path;
 - `<size>-<recipe>.json`: a recipe that ended (its evaluations, counts and status), which --resume keeps;
@@ -66,14 +66,16 @@ def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Conf
             val_rows: int) -> dict[str, Any]:
     from benchmarking.quality import recipe_label
 
-    recipes = {}
+    recipes, budgets = {}, {}
     for (size, spec), (config, _) in planned.items():
         key = recipe_key(size, recipe_label(spec))
         if key in recipes:
             raise ConfigError(f"--recipes: two recipes are named {recipe_label(spec)!r} (the files' names): rename "
                               "one, so that each has its own results")
         recipes[key] = config.to_dict()
-    plan = {"budget_s": settings.budget_record, "interval_s": settings.interval_s,
+        budgets[key] = settings.budget_s(spec)
+    common = settings.common_budget_s
+    plan = {"budget_s": common if common is not None else budgets, "interval_s": settings.interval_s,
             "eval_batches": settings.eval_batches, "val_rows": val_rows, "seed": settings.seed, "data": settings.data,
             "recipes": recipes, "stop_at_target": settings.stop_at_target, "target_bpb": settings.target_bpb}
     return json.loads(json.dumps(plan))  # as plan.json reads back (tuples as lists), so that the two compare
@@ -97,38 +99,53 @@ def begin(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Config
         raise ConfigError(f"--resume: --data {data} ({source.description}) is not the data the stopped comparison in "
                           f"{settings.out} trained on (recorded in {directory / DATA_NOTE}); give that data, or start a "
                           "new comparison in another --out")
+    _write_json(directory / PLAN, plan)  # the recipes not yet trained as planned now
 
 
 def _check_plan(settings: QualitySettings, plan: dict[str, Any]) -> None:
+    """The shared settings and the recipes, in order, must be the stopped comparison's; so must the configuration and
+    budget of each recipe that has trained (an outcome or a snapshot kept). One that has not may have others."""
     directory = state_dir(settings.out)
     try:
         saved = {**PLAN_DEFAULTS, **json.loads((directory / PLAN).read_text())}
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--resume: {directory / PLAN} cannot be read ({e})") from None
+    then_recipes, now_recipes = saved.get("recipes") or {}, plan["recipes"]
+    if list(then_recipes) != list(now_recipes):
+        _refuse(settings, PLAN_FLAGS["recipes"], f"{', '.join(then_recipes)} then, {', '.join(now_recipes)} now")
     for name, flag in PLAN_FLAGS.items():
-        if saved.get(name) != plan[name]:
-            if name == "recipes":
-                what = _recipes_difference(saved.get(name) or {}, plan[name])
-            else:
-                then, now = (_minutes(v) if name == "budget_s" else v for v in (saved.get(name), plan[name]))
-                what = f"{then!r} then, {now!r} now"
-            raise ConfigError(f"--resume: the stopped comparison in {settings.out} had other {flag} ({what}); give "
-                              "the flags it had, or start a new comparison in another --out")
+        if name not in ("budget_s", "recipes") and saved.get(name) != plan[name]:
+            _refuse(settings, flag, f"{saved.get(name)!r} then, {plan[name]!r} now")
+    then_budgets, now_budgets = _budgets_by_key(saved), _budgets_by_key(plan)
+    for key in now_recipes:
+        if not _has_trained(directory, key):
+            continue
+        if then_recipes[key] != now_recipes[key]:
+            _refuse(settings, PLAN_FLAGS["recipes"], _recipe_difference(key, then_recipes[key], now_recipes[key]))
+        if then_budgets[key] != now_budgets[key]:
+            _refuse(settings, PLAN_FLAGS["budget_s"],
+                    f"{key}'s {then_budgets[key] / 60!r} then, {now_budgets[key] / 60!r} now")
 
 
-def _minutes(budget: Any) -> Any:
-    """A plan's budget in minutes, as --minutes gives it."""
-    if isinstance(budget, dict):
-        return {label: _minutes(b) for label, b in budget.items()}
-    return budget / 60 if isinstance(budget, (int, float)) else budget
+def _refuse(settings: QualitySettings, flag: str, what: str) -> None:
+    raise ConfigError(f"--resume: the stopped comparison in {settings.out} had other {flag} ({what}); give the flags "
+                      "it had, or start a new comparison in another --out")
 
 
-def _recipes_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    if set(saved) != set(now):
-        return f"{', '.join(sorted(saved))} then, {', '.join(sorted(now))} now"
-    key = next(k for k in saved if saved[k] != now[k])
-    section, name = next((s, n) for s in saved[key] for n in saved[key][s] if saved[key][s][n] != now[key][s].get(n))
-    return f"{key}'s {section} {name}: {saved[key][section][name]!r} then, {now[key][section][name]!r} now"
+def _has_trained(directory: Path, key: str) -> bool:
+    """Whether the recipe `key` has an outcome or a snapshot kept."""
+    return (directory / f"{key}.json").is_file() or (directory / key).is_dir()
+
+
+def _budgets_by_key(plan: dict[str, Any]) -> dict[str, float]:
+    """Each recipe's seconds of training, by recipe key, from a plan's budget: one for all, or one for each."""
+    budget = plan.get("budget_s")
+    return {key: budget[key] if isinstance(budget, dict) else budget for key in plan.get("recipes") or {}}
+
+
+def _recipe_difference(key: str, then: dict[str, Any], now: dict[str, Any]) -> str:
+    section, name = next((s, n) for s in then for n in then[s] if then[s][n] != now[s].get(n))
+    return f"{key}'s {section} {name}: {then[section][name]!r} then, {now[section][name]!r} now"
 
 
 def end(settings: QualitySettings) -> None:

@@ -288,6 +288,7 @@ def test_a_stop_during_the_warm_up_steps_is_an_interruption_that_resume_trains_a
 
 
 def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, text_file):
+    real_resolved = quality.resolved_config
     monkeypatch.setattr(RecipeRun, "train_step", lambda self, clock_s, budget_s: (_ for _ in ()).throw(
         KeyboardInterrupt("signal SIGTERM")))
     data = tmp_path / "corpus.txt"
@@ -296,10 +297,12 @@ def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, 
     _, interrupted = quality.compare(settings(budget_s=60.0, **common), say=lambda line: None)
     assert interrupted and (tmp_path / "resume" / "plan.json").is_file()
     with pytest.raises(ConfigError, match=rf"^--resume: the stopped comparison in {tmp_path} had other --minutes "
-                                          r"\(1.0 then, 2.0 now\); give the flags it had"):
+                                          r"\(tiny-adamw's 1.0 then, 2.0 now\); give the flags it had"):
         quality.compare(settings(budget_s=120.0, resume=True, **common), say=lambda line: None)
-    with pytest.raises(ConfigError, match=r"other --minutes \(1.0 then, \{'adamw': 1.0, 'muon': 0.5\} now\)"):
-        quality.compare(settings(budgets_s=(60.0, 30.0), resume=True, **common), say=lambda line: None)
+    with pytest.raises(ConfigError, match=r"other --recipes and --sizes \(tiny-adamw, tiny-muon then, tiny-muon, "
+                                          r"tiny-adamw now\)"):
+        quality.compare(settings(budget_s=60.0, resume=True, recipes=["muon", "adamw"], **common),
+                        say=lambda line: None)
     lr = {**OVERRIDES, ("optim", "lr"): 1e-2}
     with pytest.raises(ConfigError, match=r"other --recipes and --sizes \(tiny-adamw's optim lr: 0.0006 then, 0.01 "
                                           r"now\)"):
@@ -314,6 +317,16 @@ def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, 
     (tmp_path / "resume" / "plan.json").write_text(json.dumps(plan))
     _, interrupted = quality.compare(settings(budget_s=60.0, resume=True, **common), say=lambda line: None)
     assert interrupted  # resumed, and stopped by the first step again
+    # muon has not trained (adamw was stopped): its budget and configuration may change, and the plan says so
+    muon_lr = {**OVERRIDES, ("optim", "lr"): 1e-2}
+    changed = dict(budgets_s=(60.0, 30.0), resume=True, recipes=["adamw", "muon"], **common)
+    monkeypatch.setattr(quality, "resolved_config", lambda spec, model, overrides: real_resolved(
+        spec, model, muon_lr if spec == "muon" else overrides))
+    _, interrupted = quality.compare(settings(**changed), say=lambda line: None)
+    plan = json.loads((tmp_path / "resume" / "plan.json").read_text())
+    assert interrupted and plan["budget_s"] == {"tiny-adamw": 60.0, "tiny-muon": 30.0}
+    assert plan["recipes"]["tiny-muon"]["optim"]["lr"] == 1e-2
+    monkeypatch.setattr(quality, "resolved_config", real_resolved)
     data.write_text(data.read_text()[::-1])  # the same path, other text
     with pytest.raises(ConfigError, match=rf"^--resume: --data {data} \(.*\) is not the data the stopped "
                                           rf"comparison in {tmp_path} trained on \(recorded in {tmp_path}/resume/"
