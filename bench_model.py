@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
+import math
 import re
 import shlex
 import sys
@@ -152,22 +153,23 @@ def _add_quality_flags(p: argparse.ArgumentParser) -> None:
                         "(default adamw,muon); the first one's final bits per byte is the target")
     q.add_argument("--data", help="what every recipe trains on, as train.py's --data (default: the built-in corpus)")
     q.add_argument("--minutes", nargs="+", default=["20"],
-                   help="training time per recipe (default 20): one value for every recipe, or one each in --recipes' "
-                        "order (20,10: does the second reach the first's final value in half the time?); evaluation "
-                        "and compilation are off the clock, and each recipe's schedule spans its own budget")
+                   help="minutes of training per recipe (default 20): one value for every recipe, or one each in "
+                        "--recipes' order (20,10: does the second reach the first's final value in half the time?); "
+                        "evaluation and compilation are off the clock, and each recipe's schedule spans its own budget")
     q.add_argument("--eval-interval-s", type=float, default=60.0,
                    help="validation bits per byte every this many seconds of training (default 60)")
     q.add_argument("--eval-batches", type=int, default=10, help="validation batches per evaluation (default 10)")
     q.add_argument("--target-bpb", type=float, help="the target (default: the first recipe's final value)")
     q.add_argument("--stop-at-target", action="store_true",
                    help="end each recipe at its first evaluation at or below the target (the first recipe, when its "
-                        "final value is the target, trains its whole budget); learning rates still follow the whole "
-                        "budget's schedule")
+                        "final value is the target, trains its whole budget); learning rates still follow the "
+                        "schedule of each recipe's whole budget")
     q.add_argument("--devices", help="train the recipes side by side, one at a time on each of these devices (e.g. "
                                      "cuda:0,cuda:1,cuda:2,cuda:3; default: one after another on --device)")
     q.add_argument("--resume", action="store_true",
                    help="continue the stopped comparison in --out: the same command with --resume (its recipes that "
-                        "ended are kept, the one training goes on from its last evaluation)")
+                        "ended are kept, the one training goes on from its last evaluation; one not yet trained may take "
+                        "another budget or configuration)")
 
 
 @dataclass(frozen=True)
@@ -367,10 +369,13 @@ def check_quality_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 "not known while the others train")
     if len(devices) == 1:  # one device: the recipes one after another on it
         args.device, devices = torch.device(devices[0]), ()
-    args.quality = QualitySettings(sizes, recipes, args.data, budgets_s,
-                                   args.eval_interval_s, args.target_bpb, args.seed, args.eval_batches,
-                                   quality_overrides(args, dtypes), Path("runs") / ".token_cache", devices,
-                                   resume=args.resume, stop_at_target=args.stop_at_target)
+    try:
+        args.quality = QualitySettings(sizes, recipes, args.data, budgets_s, args.eval_interval_s, args.target_bpb,
+                                       args.seed, args.eval_batches, quality_overrides(args, dtypes),
+                                       Path("runs") / ".token_cache", devices, resume=args.resume,
+                                       stop_at_target=args.stop_at_target)
+    except ConfigError as e:
+        p.error(str(e))
     return args
 
 
@@ -383,15 +388,15 @@ def _recipe_budgets(p: argparse.ArgumentParser, recipes: list[str],
             values.append(float(m))
         except ValueError:
             p.error(f"--minutes: {m!r} is not a number")
-        if not values[-1] > 0:
-            p.error(f"--minutes must be > 0, got {values[-1]:g}")
+        if not 0 < values[-1] < math.inf:
+            p.error(f"--minutes must be > 0 and finite, got {values[-1]:g}")
     if len(values) == 1:
         unique = list(dict.fromkeys(recipes))
         return unique, (60 * values[0],) * len(unique)
-    if len(values) != len(recipes):
-        p.error(f"--minutes: give one value, or one for each of the {len(recipes)} --recipes; got {len(values)}")
     if len(set(recipes)) < len(recipes):
         p.error("--minutes: one value per recipe needs each recipe once in --recipes")
+    if len(values) != len(recipes):
+        p.error(f"--minutes: give one value, or one for each of the {len(recipes)} --recipes; got {len(values)}")
     return recipes, tuple(60 * v for v in values)
 
 

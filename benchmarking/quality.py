@@ -74,12 +74,20 @@ class QualitySettings:
 
     def __post_init__(self):
         if len(self.budgets_s) != len(self.recipes):
-            raise ValueError(f"{len(self.budgets_s)} budgets for {len(self.recipes)} recipes")
+            raise ValueError(f"QualitySettings: {len(self.budgets_s)} budgets_s for {len(self.recipes)} recipes")
+        labels = [recipe_label(spec) for spec in self.recipes]
+        if len(set(labels)) < len(labels):
+            twice = next(label for label in labels if labels.count(label) > 1)
+            raise ConfigError(f"--recipes: two recipes are named {twice!r} (the files' names): rename one, so that "
+                              "each has its own results")
 
     def budget_s(self, recipe: str) -> float:
-        """Seconds of training of `recipe` (a spec of `recipes`, or its label)."""
-        labels = [recipe_label(spec) for spec in self.recipes]
-        return self.budgets_s[labels.index(recipe_label(recipe))]
+        """Seconds of training of `recipe`: a spec of `recipes`, or its label."""
+        return self.budgets_by_label[recipe if recipe in self.budgets_by_label else recipe_label(recipe)]
+
+    @property
+    def budgets_by_label(self) -> dict[str, float]:
+        return {recipe_label(spec): b for spec, b in zip(self.recipes, self.budgets_s)}
 
     @property
     def common_budget_s(self) -> Optional[float]:
@@ -88,17 +96,14 @@ class QualitySettings:
 
     @property
     def budget_record(self) -> float | dict[str, float]:
-        """The budget as the plan and results.json hold it: seconds, or seconds by recipe label when they differ."""
-        if self.common_budget_s is not None:
-            return self.common_budget_s
-        return {recipe_label(spec): b for spec, b in zip(self.recipes, self.budgets_s)}
+        """The budget as results.json holds it: seconds, or seconds by recipe label when they differ."""
+        return self.common_budget_s if self.common_budget_s is not None else self.budgets_by_label
 
     def budget_words(self) -> str:
         """'1200 s of training each', or 'adamw 1200 s, speedrun 600 s of training'."""
         if self.common_budget_s is not None:
             return f"{self.common_budget_s:g} s of training each"
-        each = ", ".join(f"{recipe_label(spec)} {b:g} s" for spec, b in zip(self.recipes, self.budgets_s))
-        return f"{each} of training"
+        return f"{', '.join(f'{label} {b:g} s' for label, b in self.budgets_by_label.items())} of training"
 
 
 def recipe_label(spec: str) -> str:

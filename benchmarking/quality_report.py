@@ -175,8 +175,8 @@ def settings_line(settings: QualitySettings, goal: dict[str, tuple[Optional[floa
     if settings.stop_at_target:
         which = "Each recipe" if settings.target_bpb is not None else "Each recipe after the first"
         where += (f" {which} stopped at its first evaluation at or below the target (--stop-at-target), its learning "
-                  "rate on the whole budget's schedule.")
-    if settings.common_budget_s is None:
+                  "rate on the schedule of its whole budget.")
+    elif settings.common_budget_s is None:
         where += " Each recipe's learning rate follows the schedule of its own budget."
     return (f"Data: {settings.data or 'the built-in corpus'}. Each recipe trains the same model from seed "
             f"{settings.seed} on the same batches for {settings.budget_words()} (the clock stops while it "
@@ -196,10 +196,13 @@ def results_markdown(table: Sequence[dict[str, Any]], settings: QualitySettings,
     shown = [{**r, "mfu_pct": None if r["mfu"] is None else 100 * r["mfu"],
               "time_to_target_s": r["time_to_target_s"] if r["reached"] else "never",
               "status": f"{r['status']}: {r['message']}" if r["message"] else r["status"]} for r in table]
+    columns = dict(MARKDOWN_COLUMNS)
+    if settings.common_budget_s is None:  # each recipe its own budget: say which
+        columns = {"size": "size", "recipe": "recipe", "budget_s": "budget s", **columns}
     blocks = [f"`{command}`", settings_line(settings, goal),
-              report.markdown_table(shown, MARKDOWN_COLUMNS, formats={
+              report.markdown_table(shown, columns, formats={
                   "lr": "g", "ms_per_step": ".1f", "mfu_pct": ".1f", "final_bpb": ".4f", "best_bpb": ".4f",
-                  "time_to_target_s": ".1f", "tokens_to_target": ",", "speedup": ".2f"}),
+                  "time_to_target_s": ".1f", "tokens_to_target": ",", "speedup": ".2f", "budget_s": "g"}),
               "\n".join(f"- {line}" for line in verdicts(table))]
     if plot is not None:
         blocks.append(f"![validation bits per byte against seconds of training]({plot.name})")

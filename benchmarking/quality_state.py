@@ -68,10 +68,7 @@ def plan_of(settings: QualitySettings, planned: dict[tuple[str, str], tuple[Conf
 
     recipes, budgets = {}, {}
     for (size, spec), (config, _) in planned.items():
-        key = recipe_key(size, recipe_label(spec))
-        if key in recipes:
-            raise ConfigError(f"--recipes: two recipes are named {recipe_label(spec)!r} (the files' names): rename "
-                              "one, so that each has its own results")
+        key = recipe_key(size, recipe_label(spec))  # one per recipe: QualitySettings has each label once
         recipes[key] = config.to_dict()
         budgets[key] = settings.budget_s(spec)
     common = settings.common_budget_s
@@ -116,7 +113,7 @@ def _check_plan(settings: QualitySettings, plan: dict[str, Any]) -> None:
     for name, flag in PLAN_FLAGS.items():
         if name not in ("budget_s", "recipes") and saved.get(name) != plan[name]:
             _refuse(settings, flag, f"{saved.get(name)!r} then, {plan[name]!r} now")
-    then_budgets, now_budgets = _budgets_by_key(saved), _budgets_by_key(plan)
+    then_budgets, now_budgets = _budgets_by_key(saved, directory / PLAN), _budgets_by_key(plan, directory / PLAN)
     for key in now_recipes:
         if not _has_trained(directory, key):
             continue
@@ -124,7 +121,7 @@ def _check_plan(settings: QualitySettings, plan: dict[str, Any]) -> None:
             _refuse(settings, PLAN_FLAGS["recipes"], _recipe_difference(key, then_recipes[key], now_recipes[key]))
         if then_budgets[key] != now_budgets[key]:
             _refuse(settings, PLAN_FLAGS["budget_s"],
-                    f"{key}'s {then_budgets[key] / 60!r} then, {now_budgets[key] / 60!r} now")
+                    f"{key}'s {then_budgets[key] / 60:g} min then, {now_budgets[key] / 60:g} now")
 
 
 def _refuse(settings: QualitySettings, flag: str, what: str) -> None:
@@ -133,19 +130,31 @@ def _refuse(settings: QualitySettings, flag: str, what: str) -> None:
 
 
 def _has_trained(directory: Path, key: str) -> bool:
-    """Whether the recipe `key` has an outcome or a snapshot kept."""
+    """Whether the recipe `key` has trained: its outcome or a snapshot is kept (it stopped after an evaluation)."""
     return (directory / f"{key}.json").is_file() or (directory / key).is_dir()
 
 
-def _budgets_by_key(plan: dict[str, Any]) -> dict[str, float]:
+def _budgets_by_key(plan: dict[str, Any], path: Path) -> dict[str, float]:
     """Each recipe's seconds of training, by recipe key, from a plan's budget: one for all, or one for each."""
     budget = plan.get("budget_s")
-    return {key: budget[key] if isinstance(budget, dict) else budget for key in plan.get("recipes") or {}}
+    out = {}
+    for key in plan.get("recipes") or {}:
+        b = budget.get(key) if isinstance(budget, dict) else budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise ConfigError(f"--resume: {path} cannot be read (no budget for {key})")
+        out[key] = float(b)
+    return out
 
 
 def _recipe_difference(key: str, then: dict[str, Any], now: dict[str, Any]) -> str:
-    section, name = next((s, n) for s in then for n in then[s] if then[s][n] != now[s].get(n))
-    return f"{key}'s {section} {name}: {then[section][name]!r} then, {now[section][name]!r} now"
+    """The first field of the recipe's configuration that differs, as 'key's section name: A then, B now'."""
+    for section in dict.fromkeys([*then, *now]):
+        a, b = then.get(section) or {}, now.get(section) or {}
+        for name in dict.fromkeys([*a, *b]):
+            if name not in a or name not in b or a[name] != b[name]:
+                said = [repr(side[name]) if name in side else "absent" for side in (a, b)]
+                return f"{key}'s {section} {name}: {said[0]} then, {said[1]} now"
+    return f"{key}'s configuration"
 
 
 def end(settings: QualitySettings) -> None:

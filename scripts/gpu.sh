@@ -64,7 +64,7 @@
 #   PYTHON=EXE    the Python that has torch with CUDA (default python3)
 #   DEVICE=cpu    distributed only: run its steps with a tiny model over gloo, to check them without GPUs
 #   FP8_SEEDS     fp8:loss only: the seeds to train with (default "0 1 2 3")
-#   QUALITY_MINUTES  quality only: minutes of training per recipe (default 20)
+#   QUALITY_MINUTES  quality only: whole minutes of training, the same for every recipe (default 20)
 # A ./.wheels folder, if present, is installed from first (einx and wandb; transformers for train-steps), for
 # machines without network access. Triton's cache lives in ./.triton-cache (kept between runs, so autotuning is
 # paid once per shape), unless TRITON_CACHE_DIR says otherwise.
@@ -252,6 +252,9 @@ summary_train_variants() {
 PACKAGES_DATA=data/python-packages-bpe8192
 step_quality() {
     local dir="$OUT/quality" gpus devices=() rounds=6  # 2 sizes x 3 recipes
+    if [[ ! "$QUALITY_MINUTES" =~ ^[1-9][0-9]*$ ]]; then
+        echo "   QUALITY_MINUTES must be a whole number of minutes, got '$QUALITY_MINUTES'"; STATUS=1; return
+    fi
     # Several GPUs: the recipes side by side, one per GPU. Each recipe: the budget, plus compilation and evaluations
     # off the clock; the benchmark keeps what it measured when the limit stops it.
     gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")

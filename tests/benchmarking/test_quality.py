@@ -147,6 +147,10 @@ def test_each_recipe_trains_for_its_own_budget_on_its_own_schedule(monkeypatch, 
     assert given.budget_record == {"adamw": budgets_s[0], "muon": budgets_s[1]}
     assert settings(budget_s=2.0).budget_record == 2.0 and settings(budget_s=2.0).budget_words() == (
         "2 s of training each")
+    dotted = settings(recipes=["adamw", "runs/lr1.5e-3.json"], budgets_s=budgets_s)  # labelled lr1.5e-3
+    assert [dotted.budget_s(r) for r in ("adamw", "lr1.5e-3", "runs/lr1.5e-3.json")] == [*budgets_s, budgets_s[1]]
+    with pytest.raises(ConfigError, match=r"^--recipes: two recipes are named 'x' \(the files' names\)"):
+        settings(recipes=["a/x.json", "b/x.json"])
 
 
 def test_every_recipe_is_scored_on_the_same_validation_rows_whatever_its_batch_size(tmp_path):
@@ -271,6 +275,40 @@ def test_a_stopped_comparison_resumes_where_its_last_evaluation_was_and_ends_as_
         assert [p["val_bpb"] for p in b.points] == pytest.approx([p["val_bpb"] for p in a.points], rel=1e-6)
 
 
+def test_resume_holds_each_recipe_that_has_trained_to_its_budget_and_configuration(tmp_path):
+    """An outcome or a snapshot kept means the recipe has trained: its budget and configuration must stay; one with
+    neither may change them. A plan from other code (a field added since) or without a budget is named."""
+    source = _source()
+
+    def begin(resume=False, **changes):
+        given = settings(out=tmp_path, resume=resume, **changes)
+        quality_state.begin(given, quality.configs(given, {TINY.context_length: source}), 4, source)
+
+    state = tmp_path / "resume"
+    begin(budgets_s=(60.0, 30.0))
+    (state / "tiny-adamw.json").write_text("{}")  # adamw ended; muon has neither an outcome nor a snapshot
+    begin(resume=True, budgets_s=(60.0, 45.0))
+    plan = json.loads((state / "plan.json").read_text())
+    assert plan["budget_s"] == {"tiny-adamw": 60.0, "tiny-muon": 45.0}
+    with pytest.raises(ConfigError, match=r"other --minutes \(tiny-adamw's 1 min then, 0.75 now\)"):
+        begin(resume=True, budgets_s=(45.0, 45.0))
+    (state / "tiny-muon").mkdir()  # a snapshot: muon has trained too
+    with pytest.raises(ConfigError, match=r"other --minutes \(tiny-muon's 0.75 min then, 0.5 now\)"):
+        begin(resume=True, budgets_s=(60.0, 30.0))
+
+    saved = json.loads(json.dumps(plan))
+    del saved["recipes"]["tiny-adamw"]["optim"]["lr"]
+    (state / "plan.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"other --recipes and --sizes \(tiny-adamw's optim lr: absent then, 0.0006 "
+                                          r"now\)"):
+        begin(resume=True, budgets_s=(60.0, 45.0))
+    del plan["budget_s"]
+    (state / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(ConfigError, match=rf"^--resume: {state / 'plan.json'} cannot be read \(no budget for "
+                                          r"tiny-adamw\)$"):
+        begin(resume=True, budgets_s=(60.0, 45.0))
+
+
 def test_a_stop_during_the_warm_up_steps_is_an_interruption_that_resume_trains_again(monkeypatch, tmp_path, text_file):
     monkeypatch.setattr(quality, "warm_up_steps", lambda config: 2)  # as compile or a CUDA graph asks
     monkeypatch.setattr(RecipeRun, "train_step", lambda self, clock_s, budget_s: (_ for _ in ()).throw(
@@ -297,7 +335,7 @@ def test_resume_refuses_another_plan_naming_what_differs(monkeypatch, tmp_path, 
     _, interrupted = quality.compare(settings(budget_s=60.0, **common), say=lambda line: None)
     assert interrupted and (tmp_path / "resume" / "plan.json").is_file()
     with pytest.raises(ConfigError, match=rf"^--resume: the stopped comparison in {tmp_path} had other --minutes "
-                                          r"\(tiny-adamw's 1.0 then, 2.0 now\); give the flags it had"):
+                                          r"\(tiny-adamw's 1 min then, 2 now\); give the flags it had"):
         quality.compare(settings(budget_s=120.0, resume=True, **common), say=lambda line: None)
     with pytest.raises(ConfigError, match=r"other --recipes and --sizes \(tiny-adamw, tiny-muon then, tiny-muon, "
                                           r"tiny-adamw now\)"):
