@@ -187,10 +187,6 @@ class RecipeRun:
     status: str = "ok"  # ok, diverged, interrupted, OOM, error
     message: str = ""
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.config.data.batch_size * self.config.model.context_length
-
     def lr(self, clock_s: float, budget_s: float) -> float:
         """The recipe's schedule (train.py's) over the steps that the budget holds at the speed so far."""
         o = self.config.optim
@@ -217,6 +213,10 @@ class RecipeRun:
         result = evaluate(self.step.loss, batches, self.token_bytes)
         model.train()
         return result
+
+
+def tokens_per_step(config: Config) -> int:
+    return config.data.batch_size * config.model.context_length
 
 
 def build_run(spec: str, size: str, config: Config, explicit: frozenset, source: DataSource,
@@ -251,7 +251,7 @@ def record(run: RecipeRun, clock: Clock, loss: Optional[torch.Tensor], state: Op
     result = run.evaluate()
     train_loss = None if loss is None else float(loss)
     run.points.append({"size": run.size, "recipe": run.label, "clock_s": clock_s, "step": run.steps,
-                       "tokens": run.steps * run.tokens_per_step, "train_loss": train_loss,
+                       "tokens": run.steps * tokens_per_step(run.config), "train_loss": train_loss,
                        "val_loss": result.loss, "val_bpb": result.bpb})
     if math.isfinite(result.loss) and (train_loss is None or math.isfinite(train_loss)):
         if state is not None:

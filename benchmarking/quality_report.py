@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 from benchmarking import report
 from benchmarking.model_memory import param_count
-from benchmarking.quality import Outcome, QualitySettings, validation_rows
+from benchmarking.quality import Outcome, QualitySettings, tokens_per_step, validation_rows
 from training.metrics import mfu
 
 # Every column of results.csv / results.json, with what it means (docs/benchmarks.md lists these).
@@ -86,12 +86,12 @@ def row(outcome: Outcome, target: Optional[float], settings: QualitySettings) ->
         r.update(optimizer=c.optim.optimizer, lr=c.optim.lr, params=param_count(c.model),
                  context_length=c.model.context_length, batch_size=c.data.batch_size, attn=ex.attn, dtype=ex.dtype,
                  compile=ex.compile, cuda_graph=ex.cuda_graph)
-    tokens_per_step = c.data.batch_size * c.model.context_length if c else 0
+    per_step = tokens_per_step(c) if c else 0
     r.update(train_s=outcome.train_s, warmup_s=outcome.warmup_s, steps=outcome.steps,
-             tokens=outcome.steps * tokens_per_step, evals=len(outcome.points))
+             tokens=outcome.steps * per_step, evals=len(outcome.points))
     if outcome.timed_steps and outcome.train_s > 0:
         r["ms_per_step"] = 1e3 * outcome.train_s / outcome.timed_steps
-        r["tokens_per_s"] = outcome.timed_steps * tokens_per_step / outcome.train_s
+        r["tokens_per_s"] = outcome.timed_steps * per_step / outcome.train_s
         r["mfu"] = mfu(c.model, r["tokens_per_s"], c.execution.device)
     final = final_point(outcome)
     if final:
