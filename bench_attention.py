@@ -8,6 +8,7 @@
     python bench_attention.py --preset leaderboard --seq-lens 4096,16384 --graph-timing   # + GPU time without launches
     python bench_attention.py --preset variants              # GQA, windows, packed documents, softcap, all together
     python bench_attention.py --preset training              # the shapes models train with, against cuDNN and FA-2
+    python bench_attention.py --preset training --deterministic  # flash's bitwise-reproducible backward instead
     python bench_attention.py --seq-lens 8192 --heads 32 --kv-heads 8 --window 1024 --doc-len 1024 --softcap 50
 
 For each point (batch, heads, seq, d_head, dtype, causal, and the variants: key/value heads, window, softcap, packed
@@ -226,6 +227,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--graph-timing", action="store_true",
                    help="also time forward and forward+backward replayed from a CUDA graph (GPU time without the "
                         "host time of launching; CUDA only)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True, warn_only=True): flash's backward runs its "
+                        "bitwise-reproducible kernels instead of the fused one (other backends warn where they "
+                        "have none)")
     p.add_argument("--list-backends", action="store_true", help="print the registered backends and exit")
     p.add_argument("--decode", type=_positive_ints, metavar="BATCHES",
                    help="decode points instead, at these batch sizes (e.g. 1,8,64): one query per sequence and head "
@@ -735,13 +740,19 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
     if not args.decode and (warning := cpu_warning(cfg, explain=args.explain_memory)):
         print(warning, file=sys.stderr, flush=True)
 
-    if args.decode:
-        return decode_points(args, cfg, environment)
-    if args.explain_memory:
-        rows, text = explain_memory(cfg)
-        print(text)
-        return BenchResult(rows, cfg, environment, explanation=text)
-    return sweep_and_write(cfg, environment)
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        if args.decode:
+            return decode_points(args, cfg, environment)
+        if args.explain_memory:
+            rows, text = explain_memory(cfg)
+            print(text)
+            return BenchResult(rows, cfg, environment, explanation=text)
+        return sweep_and_write(cfg, environment)
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 def sweep_and_write(cfg: Config, environment: dict[str, Any]) -> BenchResult:

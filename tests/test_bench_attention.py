@@ -243,6 +243,20 @@ def test_graph_timing_adds_replayed_times(tmp_path):
     assert "replayed from a CUDA graph" in (tmp_path / "results.md").read_text()
 
 
+def test_deterministic_runs_the_sweep_under_torchs_switch_and_restores_it(tmp_path, monkeypatch):
+    """--deterministic: every backend is timed with torch.use_deterministic_algorithms on (flash's backward then
+    runs its deterministic kernels), and the caller's setting comes back after."""
+    seen = []
+    real = bench_attention.sweep_and_write
+    monkeypatch.setattr(bench_attention, "sweep_and_write", lambda *a: seen.append(
+        torch.are_deterministic_algorithms_enabled()) or real(*a))
+    before = torch.are_deterministic_algorithms_enabled()
+    bench_attention.main(["--backends", "naive", "--seq-lens", "16", "--d-heads", "16", "--iters", "1", "--warmup",
+                          "0", "--no-plots", "--device", "cpu", "--deterministic", "--out", str(tmp_path)])
+    assert seen == [True]
+    assert torch.are_deterministic_algorithms_enabled() == before
+
+
 def test_listed_point_presets():
     parser = bench_attention.build_parser()
     variants = bench_attention.resolve_config(parser.parse_args(["--preset", "variants", "--dtype", "fp16"]), parser)

@@ -70,7 +70,7 @@ class ExecutionConfig:
     device: Optional[str] = option(None, "torch device; default cuda if available, else cpu", True)
     deterministic: bool = option(False, "bitwise-reproducible steps: torch.use_deterministic_algorithms(True), so "
                                         "an operator without a deterministic kernel stops the run instead of "
-                                        "varying it (flash's kernels are deterministic either way)")
+                                        "varying it (flash's backward runs its deterministic kernels)")
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,10 @@ def input_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 class FlashAttention(torch.autograd.Function):
-    """`FlashAttention.apply(q, k, v, causal=False, scale=None, window=None, softcap=None, doc_ids=None)` on
-    (..., seq, d_head) inputs that get_attention("flash") accepts (it does not check them again; the scale it does).
+    """`FlashAttention.apply(q, k, v, causal=False, scale=None, window=None, softcap=None, doc_ids=None,
+    deterministic=None)` on (..., seq, d_head) inputs that get_attention("flash") accepts (it does not check them
+    again; the scale it does). deterministic: this call's backward mode (dispatch.deterministic_backward; default:
+    torch.use_deterministic_algorithms), fixed when the forward runs.
 
     What the registered backend runs eagerly. It saves q, k, v, O and the logsumexp L, the only saved tensor shaped
     q.shape[:-1] (the CS336 harness finds it that way); doc_ids too, so that autograd refuses a backward after an
@@ -58,21 +60,22 @@ class FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, scale=None, window=None, softcap=None, doc_ids=None):
+    def forward(ctx, q, k, v, causal=False, scale=None, window=None, softcap=None, doc_ids=None, deterministic=None):
         if scale is None:
             scale = default_scale(q, None)
         o, lse, ctx.bounds, ctx.backward_plans = dispatch.run_forward(q, k, v, causal, scale, window, softcap,
                                                                       doc_ids)
         ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
         ctx.causal, ctx.scale, ctx.window, ctx.softcap = causal, float(scale), window, softcap
+        ctx.deterministic = dispatch.deterministic_backward(deterministic)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, *_ = ctx.saved_tensors
         dq, dk, dv = dispatch.run_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.window, ctx.softcap,
-                                           ctx.bounds, ctx.backward_plans)
-        return dq, dk, dv, None, None, None, None, None
+                                           ctx.bounds, ctx.backward_plans, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -91,7 +94,8 @@ def _operators(traceable: bool):
     @define("flash_lm::flash_attn_fwd", mutates_args=())
     def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, replayed: bool,
                    kernels: str, window: Optional[int] = None, softcap: Optional[float] = None,
-                   doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   doc_ids: Optional[torch.Tensor] = None,
+                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of validated inputs: o like q (its memory order up to 4 dims), lse fp32 shaped q.shape[:-1]."""
         return dispatch.flash_forward(q, k, v, causal, scale, traceable=traceable, replayed=replayed,
                                       kernels=kernels, window=window, softcap=softcap, doc_ids=doc_ids)
@@ -100,30 +104,34 @@ def _operators(traceable: bool):
     def backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                     do: torch.Tensor, causal: bool, scale: float, replayed: bool, kernels: str,
                     window: Optional[int] = None, softcap: Optional[float] = None,
-                    doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    doc_ids: Optional[torch.Tensor] = None,
+                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv), each shaped like its input (and in its memory order up to 4 dims)."""
         return dispatch.flash_backward(q, k, v, o, lse, do, causal, scale, traceable=traceable, replayed=replayed,
-                                       kernels=kernels, window=window, softcap=softcap, doc_ids=doc_ids)
+                                       kernels=kernels, window=window, softcap=softcap, doc_ids=doc_ids,
+                                       deterministic=deterministic)
 
     if not traceable:  # a triton_op's output shapes come from tracing its body; a custom_op's from these
         forward_op.register_fake(lambda q, k, v, causal, scale, replayed, kernels, window=None, softcap=None,
-                                 doc_ids=None: (empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)))
+                                 doc_ids=None, deterministic=False: (empty_like(q),
+                                                                     q.new_empty(q.shape[:-1], dtype=torch.float32)))
         backward_op.register_fake(lambda q, k, v, o, lse, do, causal, scale, replayed, kernels, window=None,
-                                  softcap=None, doc_ids=None: (empty_like(q), empty_like(k), empty_like(v)))
+                                  softcap=None, doc_ids=None, deterministic=False: (empty_like(q), empty_like(k),
+                                                                                    empty_like(v)))
 
     def setup_context(ctx, inputs, output) -> None:
-        q, k, v, causal, scale, replayed, kernels, window, softcap, doc_ids = inputs
+        q, k, v, causal, scale, replayed, kernels, window, softcap, doc_ids, deterministic = inputs
         o, lse = output
         # As FlashAttention: q, k, v, o and lse saved; doc_ids too.
         ctx.save_for_backward(q, k, v, o, lse, *(() if doc_ids is None else (doc_ids,)))
         ctx.causal, ctx.scale, ctx.replayed, ctx.kernels = causal, scale, replayed, kernels
-        ctx.window, ctx.softcap = window, softcap
+        ctx.window, ctx.softcap, ctx.deterministic = window, softcap, deterministic
 
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, *doc_ids = ctx.saved_tensors
         dq, dk, dv = backward_op(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.replayed, ctx.kernels, ctx.window,
-                                 ctx.softcap, doc_ids[0] if doc_ids else None)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                 ctx.softcap, doc_ids[0] if doc_ids else None, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
     forward_op.register_autograd(backward, setup_context=setup_context)
     return forward_op, backward_op
@@ -146,7 +154,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         # Read while tracing, so the compiled code guards on them; a capture in progress cannot be asked here. A
         # dispatch mode (selective activation checkpointing's) sees the operator, where the Function hides its inside.
         return flash_op(q, k, v, causal, dispatch.checked_scale(scale), graph_replay_requested(),
-                        dispatch.kernels_in_use(), window, softcap, doc_ids)[0]
+                        dispatch.kernels_in_use(), window, softcap, doc_ids, dispatch.deterministic_backward())[0]
     if window is None and softcap is None and doc_ids is None:  # fewer arguments: less host time in apply()
         return FlashAttention.apply(q, k, v, causal, scale)
     return FlashAttention.apply(q, k, v, causal, scale, window, softcap, doc_ids)

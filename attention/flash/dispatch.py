@@ -24,6 +24,9 @@ from attention.registry import UnsupportedInputError, launches_replayed, why_not
 
 KERNELS = ("auto", "triton")
 NO_SOFTCAP = "the Hopper kernels run every variant but softcap, which runs on the Triton kernels"
+FUSED = ("fused: dQ added with TMA reductions, in an order that varies (torch.use_deterministic_algorithms(True) for "
+         "the bitwise-reproducible kernels)")
+DETERMINISTIC = "dK/dV and dQ kernels side by side, bitwise reproducible"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,14 +114,16 @@ def _reason(problem: Optional[str], pass_name: str, q4: torch.Tensor, causal: bo
 def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, *,
                    do: Optional[torch.Tensor] = None, replayed: Optional[bool] = None, kernels: Optional[str] = None,
                    capability: Optional[tuple[int, int]] = None, window: Optional[int] = None,
-                   softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None) -> KernelChoice:
+                   softcap: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
+                   deterministic: Optional[bool] = None) -> KernelChoice:
     """The kernels flash runs for these inputs (shaped (..., seq, d_head)), forward and backward, with the reasons.
 
     do: the backward's upstream gradient (default: one like q, which is what autograd passes for o). replayed:
     whether the launches will be replayed from a CUDA graph (default: inside attention.graph_replay() or a capture).
     kernels: "auto" or "triton" (default: the use_kernels() setting). capability: decide for a GPU of this
     (major, minor), e.g. (9, 0), instead of q's device. window, softcap, doc_ids: the variants of the call (the Hopper
-    kernels run all but softcap; the forward of documents and of short windows stays on Triton). Raises
+    kernels run all but softcap; the forward of documents and of short windows stays on Triton). deterministic: as
+    in deterministic_backward, which with the input decides whether the Hopper backward runs fused. Raises
     UnsupportedInputError when flash cannot run the input.
     """
     reason = why_not("flash", q, k, v, causal, window=window, softcap=softcap, doc_ids=doc_ids)
@@ -131,9 +136,26 @@ def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     kernels = _kernels if kernels is None else kernels
     forward_ = _forward_problem(q4, k4, v4, causal, replayed, kernels, capability, capped, window, docs)
     backward_ = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability, capped, window, docs)
+    backward_reason = _reason(backward_, "backward", q4, causal, replayed, window)
+    if backward_ is None:
+        backward_reason += "; " + _backward_mode(q4.shape[-1], window, docs, deterministic_backward(deterministic))[1]
     return KernelChoice("triton" if forward_ else "hopper", "triton" if backward_ else "hopper",
-                        _reason(forward_, "forward", q4, causal, replayed, window),
-                        _reason(backward_, "backward", q4, causal, replayed, window))
+                        _reason(forward_, "forward", q4, causal, replayed, window), backward_reason)
+
+
+def deterministic_backward(deterministic: Optional[bool] = None) -> bool:
+    """Whether a call's backward must be bitwise reproducible: its own `deterministic` when given, else
+    torch.are_deterministic_algorithms_enabled(), PyTorch's switch. When not, the Hopper backward runs fused where
+    that is faster (docs/flash.md, Backward modes); every other backward of flash is deterministic either way."""
+    return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+
+
+def _backward_mode(d: int, window: Optional[int], docs: bool, deterministic: bool) -> tuple[bool, str]:
+    """(whether the Hopper backward runs fused, why) for a call of head dim d."""
+    if deterministic:
+        return False, f"{DETERMINISTIC} (deterministic algorithms asked for)"
+    problem = hopper_inputs.fused_backward_problem(d, window, docs)
+    return (True, FUSED) if problem is None else (False, f"{DETERMINISTIC} ({problem})")
 
 
 def checked_scale(scale: float) -> float:
@@ -178,10 +200,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
              do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
              softcap: Optional[float] = None, bounds: Optional[tuple] = None,
              tiles: Optional[dict[str, Tiles]] = None, traceable: bool = False, replayed: Optional[bool] = None,
-             kernels: Optional[str] = None) -> tuple:
+             kernels: Optional[str] = None, deterministic: Optional[bool] = None) -> tuple:
     """(dq, dk, dv, plan): the gradients by recomputation from lse, each like its input, and the plan that repeats
     the call (None where there is none). tiles ({"dkdv": ..., "dq": ...}): run the Triton backward with these
-    configs; the rest as in forward."""
+    configs; deterministic: as in deterministic_backward (default: torch's setting); the rest as in forward."""
     if not tiles and softcap is None:
         q4, k4, v4, do4 = as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(do)
         replayed = launches_replayed() if replayed is None else replayed
@@ -189,10 +211,11 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
         if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, None, False, window,
                              bounds is not None) is None:
             lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
+            fused, _ = _backward_mode(q4.shape[-1], window, bounds is not None, deterministic_backward(deterministic))
             if not traceable and q.dim() <= 4:
-                return hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window, bounds)
+                return hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window, bounds, fused)
             run = hopper.backward_op if traceable else hopper.run_backward
-            grads = run(q4, k4, v4, as_bhsd(o), lse, do4, causal, scale, window, *(bounds or (None, None)))
+            grads = run(q4, k4, v4, as_bhsd(o), lse, do4, causal, scale, window, *(bounds or (None, None)), fused)
             return (*(g4.reshape(t.shape) for g4, t in zip(grads, (q, k, v))), None)
     return triton.planned_backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds, tiles, traceable)
 
@@ -211,10 +234,11 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                    do: torch.Tensor, causal: bool, scale: float, tiles: Optional[dict[str, Tiles]] = None,
                    traceable: bool = False, replayed: Optional[bool] = None, kernels: Optional[str] = None,
                    window: Optional[int] = None, softcap: Optional[float] = None,
-                   doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   doc_ids: Optional[torch.Tensor] = None,
+                   deterministic: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of backward(), as flash_forward."""
     dq, dk, dv, _ = backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds_of(q, doc_ids), tiles,
-                             traceable, replayed, kernels)
+                             traceable, replayed, kernels, deterministic)
     return dq, dk, dv
 
 
@@ -295,16 +319,18 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def run_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                  do: torch.Tensor, causal: bool, scale: float, window: Optional[int], softcap: Optional[float],
-                 bounds: Optional[tuple], plans: Optional[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 bounds: Optional[tuple], plans: Optional[dict],
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of an eager call: the plan of its gradient layout among `plans` (run_forward's), or backward(),
-    whose plan is kept there."""
+    whose plan is kept there. deterministic: the call's backward mode, resolved (deterministic_backward)."""
     if plans is None:
-        return backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds)[:3]
-    key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, launches_replayed(), _kernels)
+        return backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds, deterministic=deterministic)[:3]
+    key = (do.stride(), do.dtype, do.data_ptr() % 16 == 0, launches_replayed(), _kernels, deterministic)
     plan = plans.get(key)
     if plan is not None:
         return plan(q, k, v, o, lse, do, bounds)
-    dq, dk, dv, plan = backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds)
+    dq, dk, dv, plan = backward(q, k, v, o, lse, do, causal, scale, window, softcap, bounds,
+                                deterministic=deterministic)
     if plan is not None:
         _keep(plans, key, plan)
     return dq, dk, dv

@@ -13,8 +13,8 @@ import torch
 
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of, sm_count
 from attention.flash.hopper.inputs import rows_index
-from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
-from attention.flash.triton.host import Launch, delta_and_launch, plannable, work_order
+from attention.flash.hopper.tiles import FUSED_REGS, HopperTiles, backward_tiles_for, tiles_for
+from attention.flash.triton.host import Launch, delta_and_launch, dq_from_accumulator, plannable, work_order
 
 
 def rows_view(t: torch.Tensor) -> Optional[tuple[torch.Tensor, int, int, int]]:
@@ -162,15 +162,24 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-             tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS) -> tuple:
+             tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS,
+             atomic_dq: bool = False) -> tuple:
     """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted; k and v may have
     fewer heads than q (GQA). Returns the launches resolved with their descriptors: (dK/dV launch, its descriptors
-    of q, k, v, dO, dK, dV, L, delta; dQ launch, its descriptors of q, k, v, dO, dQ) (see BackwardPlan).
+    of q, k, v, dO, dK, dV, L, delta and dQ's accumulator; dQ launch, its descriptors of q, k, v, dO, dQ) (see
+    BackwardPlan).
+
+    atomic_dq: the fused backward (no window or documents), whose dK/dV kernel adds dQ into a zeroed fp32
+    accumulator (not bitwise reproducible); its dQ launch is then dq_from_accumulator's, with no descriptors.
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
     b, h, n, d = q.shape
     tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0)), **(tiles or {})}
+    if atomic_dq:
+        acc = dq_accumulator(q)
+        dkdv = backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks, acc)
+        return (*dkdv, dq_from_accumulator(acc, dq, scale), ())
     dkdv, dq_pass = _side_by_side(
         q.device.index or 0,
         lambda: backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks),
@@ -209,10 +218,11 @@ def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bo
 
 def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                  do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                 starts: Optional[torch.Tensor] = None,
-                 ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass."""
-    return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends))[:3]
+                 starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
+                 atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass;
+    atomic_dq: the fused backward (see backward)."""
+    return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends), atomic_dq)[:3]
 
 
 
@@ -233,14 +243,14 @@ def _(q4, k4, v4, causal, scale, window=None, starts=None, ends=None):
 @torch.library.custom_op("flash_lm::flash_attn_bwd_hopper", mutates_args=())
 def backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                 do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                starts: Optional[torch.Tensor] = None,
-                ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
+                atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """run_backward as an operator."""
-    return run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends)
+    return run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends, atomic_dq)
 
 
 @backward_op.register_fake
-def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None):
+def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None, atomic_dq=False):
     return empty_like(q4), empty_like(k4), empty_like(v4)
 
 
@@ -257,14 +267,14 @@ def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _backward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                   do: torch.Tensor, causal: bool, scale: float, masks: Masks) -> tuple:
+                   do: torch.Tensor, causal: bool, scale: float, masks: Masks, atomic_dq: bool = False) -> tuple:
     """(dq, dk, dv, delta, delta launch, backward()'s launches and descriptors), as _forward_call."""
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     with on_device_of(q):
         delta, delta_launch = delta_and_launch(o4, do4)
         resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
-                            masks=masks)
+                            masks=masks, atomic_dq=atomic_dq)
     return dq, dk, dv, delta, delta_launch, resolved
 
 
@@ -282,14 +292,16 @@ def _launch_pointed(launch: Launch, descs: tuple, tensors: tuple, *rest: torch.T
     alignment as the one it was made for), then released: a plan outlives its call, and must not keep the call's
     tensors alive."""
     for desc, t in zip(descs, tensors):
-        desc.base = t
+        if desc is not None:
+            desc.base = t
     launch(*descs, *rest)
     _released(descs)
 
 
 def _released(descs: tuple) -> tuple:
     for desc in descs:
-        desc.base = None
+        if desc is not None:
+            desc.base = None
     return descs
 
 
@@ -314,12 +326,12 @@ class ForwardPlan:
 
 class BackwardPlan:
     """The delta pre-pass and backward() of one input signature, resolved: `plan(q, k, v, o, lse, do, bounds)`,
-    bounds as in ForwardPlan."""
+    bounds as in ForwardPlan; atomic_dq: the fused backward's (backward())."""
 
-    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape")
+    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape", "atomic_dq")
 
-    def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...]):
-        self.delta, self.delta_shape = delta, delta_shape
+    def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...], atomic_dq: bool = False):
+        self.delta, self.delta_shape, self.atomic_dq = delta, delta_shape, atomic_dq
         self.dkdv, dkdv_descs, self.dq, dq_descs = resolved
         self.dkdv_descs, self.dq_descs = _released(dkdv_descs), _released(dq_descs)
 
@@ -329,6 +341,11 @@ class BackwardPlan:
         delta = empty(self.delta_shape, torch.float32, q.device)
         bounds = bounds or (lse, lse)
         self.delta(o, do, delta)
+        if self.atomic_dq:
+            acc = dq_accumulator(as_bhsd(q))
+            _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta, acc), *bounds)
+            self.dq(acc, dq)
+            return dq, dk, dv
         _side_by_side(q.device.index or 0,
                       lambda: _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta), *bounds),
                       lambda: _launch_pointed(self.dq, self.dq_descs, (q, k, v, do, dq), lse, delta, *bounds))
@@ -347,13 +364,13 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                      do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                     bounds: Optional[tuple] = None) -> tuple:
+                     bounds: Optional[tuple] = None, atomic_dq: bool = False) -> tuple:
     """(dq, dk, dv, plan) of inputs that backward_problem accepted, as planned_forward; lse contiguous, as the
-    forwards make it."""
+    forwards make it; atomic_dq: the fused backward."""
     masks = Masks(window, *(bounds or ()))
-    dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, masks)
+    dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, masks, atomic_dq)
     usable = plannable(q, k, v, o, do) and lse.is_contiguous()
-    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape)) if usable else None
+    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), atomic_dq) if usable else None
 
 
 @functools.cache
@@ -372,9 +389,12 @@ def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
 
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-                  t: HopperTiles, masks: Masks = NO_MASKS) -> tuple[Launch, tuple]:
+                  t: HopperTiles, masks: Masks = NO_MASKS,
+                  dq_acc: Optional[torch.Tensor] = None) -> tuple[Launch, tuple]:
     """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
-    per (batch, key/value head) and key rows, over the query tiles of its group's heads."""
+    per (batch, key/value head) and key rows, over the query tiles of its group's heads. With dq_acc
+    (dq_accumulator's, zeroed) it adds dQ^T there too (the fused backward); the last descriptor returned is then the
+    accumulator's, else None stands in its place."""
     import triton
 
     from attention.flash.hopper.kernels import attn_bwd_dkdv_hopper
@@ -384,12 +404,39 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
     starts, ends, window = masks.arguments(lse)
     descs = (*descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
-             _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n))
+             _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
+             None if dq_acc is None else _accumulator_descriptor(dq_acc, t.block_n))
     grid = (triton.cdiv(n, t.rows), b * k.shape[1])
     args = (*descs, starts, ends, *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e),
             scale)
-    meta = _meta(t, causal, h // k.shape[1], **masks.constexprs())
-    return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 10, meta), descs
+    meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), FUSED=False, DS_LAYOUT=None, DQ_REGS=0)
+    if dq_acc is not None:
+        consumer_regs, dq_regs = FUSED_REGS
+        meta.update(FUSED=True, DS_LAYOUT=_shared_layout(t.block_m, t.block_n, q.dtype), CONSUMER_REGS=consumer_regs,
+                    DQ_REGS=dq_regs)
+    return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
+
+
+def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
+    """The fused backward's zeroed fp32 accumulator of dQ^T for (batch, heads, seq, d) q: (batch * heads, d, seq)."""
+    b, h, n, d = q.shape
+    return torch.zeros((b * h, d, n), dtype=torch.float32, device=q.device)
+
+
+def _accumulator_descriptor(acc: torch.Tensor, block_n: int):
+    """A TMA descriptor of dq_accumulator's acc as (batch * heads * d, seq) rows, in blocks of (d, block_n)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    bh, d, n = acc.shape
+    return TensorDescriptor.from_tensor(acc.view(bh * d, n), [d, block_n], accumulator_layout(d, block_n))
+
+
+@functools.cache
+def accumulator_layout(d: int, block_n: int):
+    """The shared layout of a (d, block_n) fp32 dQ^T tile on its way to the accumulator."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([d, block_n], gl.float32)
 
 
 def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,

@@ -9,6 +9,9 @@ from typing import Optional
 import torch
 
 HEAD_DIMS = (64, 128)
+# The fused backward runs at d 64, 11-13% faster than the two kernels side by side on the H200; at d 128 it was 6-13%
+# slower (docs/flash.md, Backward modes).
+FUSED_HEAD_DIMS = (64,)
 DTYPES = (torch.bfloat16, torch.float16)
 CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
@@ -69,6 +72,16 @@ def scores(batch_heads: int, n: int, causal: bool, window: Optional[int] = None)
         return whole
     band = window + SEQ_MULTIPLE if causal else 2 * window + SEQ_MULTIPLE
     return min(whole, batch_heads * n * band)
+
+
+def fused_backward_problem(d: int, window: Optional[int] = None, docs: bool = False) -> Optional[str]:
+    """Why the Hopper backward runs its dK/dV and dQ kernels side by side rather than fused (dQ added with TMA
+    reductions by the dK/dV kernel), where determinism is not asked for; None when it runs fused."""
+    if window is not None or docs:
+        return "the fused backward takes no window or documents"
+    if d not in FUSED_HEAD_DIMS:
+        return f"at d {d} the two kernels side by side are faster than the fused one"
+    return None
 
 
 def device_capability(t: torch.Tensor) -> Optional[tuple[int, int]]:

@@ -18,8 +18,10 @@ logsumexp that the backward reads.
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -32,6 +34,19 @@ LN2 = gl.constexpr(0.6931471805599453)
 # Triton 3.9 renamed the TMA copies (async_load, async_store) and made the old names raise; 3.6 has only the old ones.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# A barrier among the warps of the calling partition (3.9: gl.barrier; 3.6: gl.thread_barrier).
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@builtin
+def _tma_add_from_builder(tensor_desc, coord, src, _semantic=None):
+    """Adds a shared-memory tile into global memory with one TMA reduction (cp.reduce.async.bulk.tensor .add)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+# Triton 3.9 names the TMA reduction tma.async_atomic_add; 3.6 has only its builder op.
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_from_builder
 
 
 @gluon.jit
@@ -722,10 +737,10 @@ def attn_bwd_dq_hopper(
 
 @gluon.jit
 def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, ds, keys, key_start,
-                     key_end, first, full_lo, full_hi, per_head, window, qk_scale, CAUSAL: gl.constexpr,
+                     key_end, first, full_lo, full_hi, per_head, window, qk_scale, shared_ds, CAUSAL: gl.constexpr,
                      WINDOW: gl.constexpr, DOCS: gl.constexpr, NEXT: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
-                     GROUP: gl.constexpr):
+                     GROUP: gl.constexpr, FUSED: gl.constexpr):
     """Query tile i's dV and transposed dS, while tile i-1's dK += dS^T Q runs.
 
     st is tile i's S^T = K Q_i^T, computed during the tile before. With NEXT, tile i+1's S^T is issued before this
@@ -756,6 +771,8 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
     dst = pt * (dpt - delta[None, :])
+    if FUSED:
+        _share_ds(shared_ds, i, dst.to(dtype))
     if NEXT and STAGES > 2:
         nxt = (i + 1) % STAGES
         mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1)
@@ -785,8 +802,8 @@ def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 @gluon.jit
 def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
                v_col, first_key, first, full_lo, full_hi, lo, hi, n_tiles, START, END, window, qk_scale, scale,
-               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+               shared_ds, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr):
     """dK and dV of one consumer's BLOCK_M key rows over streamed query tiles [lo, hi) (of GROUP query heads in
     turn, n_tiles in all; query tiles first + j of each), written out. Tiles outside [full_lo, full_hi) of a head's
     stream are masked; where [lo, hi) is the whole stream (_dkdv_consumer), those that lie wholly outside this
@@ -824,6 +841,8 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
     dst = pt * (dpt - delta[None, :])
+    if FUSED:
+        _share_ds(shared_ds, lo, dst.to(dtype))
     dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
     ds = gl.convert_layout(dst.to(dtype), op_layout)
 
@@ -832,18 +851,20 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
         for i in range(lo + 1, last):
             dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
                                               dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head,
-                                              window, qk_scale, CAUSAL, WINDOW, DOCS, True, BLOCK_M, BLOCK_N, STAGES,
-                                              st_layout, op_layout, GROUP)
+                                              window, qk_scale, shared_ds, CAUSAL, WINDOW, DOCS, True, BLOCK_M,
+                                              BLOCK_N, STAGES, st_layout, op_layout, GROUP, FUSED)
         dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
                                           dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head, window,
-                                          qk_scale, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES, st_layout,
-                                          op_layout, GROUP)  # the last: no S^T to issue
+                                          qk_scale, shared_ds, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES,
+                                          st_layout, op_layout, GROUP, FUSED)  # the last: no S^T to issue
 
     dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
     dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
     mbarrier.arrive(empty.index(last % STAGES), count=1)
 
     # This consumer's K and V rows are dead (their last matmuls retired): they hold dK and dV on their way out.
+    if FUSED:  # once the dQ warpgroup's last matmul, which reads every consumer's K rows, has retired
+        mbarrier.wait(shared_ds[4], 0)
     k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
     v.store(dv.to(dtype))
     fence_async_shared()
@@ -854,10 +875,12 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                   ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale,
-                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+                   ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale, ds_smem,
+                   ds_ready, ds_free, k_read, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr = False):
     first_key = n0 + CONSUMER * BLOCK_M
+    shared_ds = (ds_smem, ds_ready, ds_free, CONSUMER, k_read)
     mbarrier.wait(res_ready, 0)
     if (WINDOW or DOCS) and GROUP == 1:
         # The program streams the query tiles any of its keys needs: this consumer gives back unread those before
@@ -870,7 +893,8 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
             _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                        delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
                        first_key, first, full_lo - first, full_hi - first, lo - first, hi - first, n_tiles, START,
-                       END, window, qk_scale, scale, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
+                       END, window, qk_scale, scale, shared_ds, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP,
+                       False)
             n_done = hi - first
         _release(ready, empty, n_done, n_tiles, STAGES)
     elif first_key < N:
@@ -881,19 +905,20 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
         _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
                    delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
                    first_key, first, full_lo - first, full_hi - first, 0, n_tiles, n_tiles, START, END, window,
-                   qk_scale, scale, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)
+                   qk_scale, scale, shared_ds, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, FUSED)
     else:
         _release(ready, empty, 0, n_tiles, STAGES)
 
 
 @gluon.jit
 def attn_bwd_dkdv_hopper(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, START, END,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dqt_desc, START, END,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
     H, N, window, qk_scale, scale,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    FUSED: gl.constexpr = False, DS_LAYOUT: gl.constexpr = None, DQ_REGS: gl.constexpr = 0,
 ):
     """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, key/value head), query tiles of BLOCK_N streamed.
 
@@ -902,6 +927,11 @@ def attn_bwd_dkdv_hopper(
     GROUP > 1 (GQA): the program streams the query tiles of its GROUP query heads one head after another, so its sum
     over them is one consumer's, in one order (deterministic, no atomics). The variants as in attn_fwd_hopper: the
     program streams the query tiles that see any of its keys.
+
+    FUSED (two consumers, no window or documents): dQ too, by a warpgroup of its own (_dq_partition) that adds each
+    query tile's dQ^T = K^T dS^T over the program's keys to the zeroed fp32 (batch * heads * d, seq) accumulator
+    dqt_desc describes; DS_LAYOUT is the shared layout of a consumer's (BLOCK_M, BLOCK_N) dS^T. Otherwise dqt_desc
+    is None.
     """
     dtype: gl.constexpr = k_desc.dtype
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -936,14 +966,46 @@ def attn_bwd_dkdv_hopper(
     lse_base = (b * H + hq) * N
     q_row = b * q_rows_b + hq * q_rows_h
     do_row = b * do_rows_b + hq * do_rows_h
-    if NUM_CONSUMERS == 2:
+    if FUSED:
+        gl.static_assert(NUM_CONSUMERS == 2 and not WINDOW and not DOCS, "FUSED: two consumers, no masks but causal")
+        # Two dS^T buffers (each both consumers' halves) and two staging buffers of dQ^T, so a tile's dQ matmul and
+        # reduction run while the consumers compute the next tile's dS^T.
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, BLOCK_M, BLOCK_N], DS_LAYOUT)
+        dqt_smem = gl.allocate_shared_memory(gl.float32, [2, D, BLOCK_N], dqt_desc.layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
+            mbarrier.init(ds_free.index(i), count=1)
+        mbarrier.init(k_read, count=1)
+        fence_async_shared()
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+                              window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+                              window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
+            (_dq_partition, (k_smem, ds_smem, dqt_smem, ds_ready, ds_free, k_read, res_ready, dqt_desc,
+                             (b * H + hq) * D, first, GROUP * n_tiles, BLOCK_N, GROUP, NUM_CONSUMERS)),
+            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                             k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
+                             GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
+                             lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
+        ], [4, 4, 1], [CONSUMER_REGS, DQ_REGS, 24])
+    elif NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, k_smem, ready, empty, res_ready, 0, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP)),
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, k_smem, ready, empty, res_ready, 1, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
                              GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
@@ -954,15 +1016,78 @@ def attn_bwd_dkdv_hopper(
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, 0, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+                              window, qk_scale, scale, k_smem, ready, empty, res_ready, 0, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, 1, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+                              window, qk_scale, scale, k_smem, ready, empty, res_ready, 1, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                               res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, 2, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+                              window, qk_scale, scale, k_smem, ready, empty, res_ready, 2, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
                              k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
                              GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
                              lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The fused backward (FUSED): the dK/dV program also computes dQ, five tile matmuls instead of the two kernels'
+# seven. Each consumer puts its dS^T rows of a query tile in shared memory; a warpgroup of their own then computes
+# the tile's dQ^T = K^T dS^T over all the program's keys (the A operand K^T, d rows, as wgmma needs at least 64) and
+# adds it to an fp32 accumulator with one TMA reduction. The consumers keep their registers and their schedule;
+# the sum's order varies from run to run.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _share_ds(shared_ds, i, dst):
+    """Puts streamed tile i's dS^T rows of this consumer where _dq_partition reads them, once it is done with the
+    buffer's tile before (two buffers)."""
+    ds_smem, ds_ready, ds_free, consumer, _ = shared_ds
+    buf = i % 2
+    mbarrier.wait(ds_free.index(buf), ((i // 2) & 1) ^ 1)  # a fresh barrier passes the first wait
+    ds_smem.index(buf * 2 + consumer).store(dst)
+    fence_async_shared()
+    _partition_barrier()  # every warp's rows stored before the arrival
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _dq_partition(k_smem, ds_smem, dqt_smem, ds_ready, ds_free, k_read, res_ready, dqt_desc, dq_row, first, n_tiles,
+                  BLOCK_N: gl.constexpr, GROUP: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """dQ^T of each streamed query tile over the program's keys, added to the accumulator: rows dq_row + (the
+    tile's query head in the group) * d, columns (first + the tile's place in its head's stream) * BLOCK_N. Arrives
+    on k_read once its last matmul has read K, which the consumers then overwrite with dK."""
+    D: gl.constexpr = dqt_desc.block_type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    per_head = n_tiles // GROUP
+    mbarrier.wait(res_ready, 0)  # K is resident
+    for i in range(n_tiles):
+        buf = i % 2
+        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+        dqt = gl.zeros([D, BLOCK_N], gl.float32, layout)
+        for c in gl.static_range(NUM_CONSUMERS):
+            dqt = warpgroup_mma(k_smem.index(c).permute((1, 0)), ds_smem.index(buf * NUM_CONSUMERS + c), dqt,
+                                is_async=True)
+        dqt = warpgroup_mma_wait(num_outstanding=0, deps=[dqt])
+        _partition_barrier()  # every warp's share of the matmul retired before the buffer is given back
+        mbarrier.arrive(ds_free.index(buf), count=1)
+        j = i
+        row = dq_row
+        if GROUP > 1:  # the stream takes the group's query heads in turn
+            g = i // per_head
+            j = i - g * per_head
+            row = dq_row + g * D
+        staged = dqt_smem.index(buf)
+        tma.store_wait(pendings=1)  # the reduction two tiles back has read this buffer
+        _partition_barrier()
+        staged.store(dqt)
+        fence_async_shared()
+        _partition_barrier()
+        _tma_add(dqt_desc, [row, (first + j) * BLOCK_N], staged)
+    mbarrier.arrive(k_read, count=1)  # every matmul retired (waited in the loop, a partition barrier after)
+    tma.store_wait(pendings=0)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from attention.flash.hopper.host import _shared_layout, _stats_layout
+from attention.flash.hopper.inputs import FUSED_HEAD_DIMS
 from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
 
 H100_SMS = 132
@@ -38,7 +39,10 @@ DESCRIPTOR_ROWS = {
                  delta_desc="n"),
     "dq": dict(q_desc="m", k_desc="n", v_desc="n", do_desc="m", dq_desc="m"),
 }
-KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn_bwd_dq_hopper"}
+DESCRIPTOR_ROWS["fused"] = DESCRIPTOR_ROWS["dkdv"]
+# fused: the dK/dV kernel that computes dQ too (the backward unless deterministic)
+KERNELS = {"fwd": "attn_fwd_hopper", "dkdv": "attn_bwd_dkdv_hopper", "dq": "attn_bwd_dq_hopper",
+           "fused": "attn_bwd_dkdv_hopper"}
 ARG_TYPES = {"qk_scale": "fp32", "scale": "fp32", "L": "*fp32", "DELTA": "*fp32", "START": "*i32", "END": "*i32",
              "ORDER": "*i32"}
 ROW_STATS = ("lse_desc", "delta_desc")  # 1-D fp32 descriptors over L and delta
@@ -66,14 +70,15 @@ def _descriptor_type(rows: int, d: int, row_stats: bool) -> str:
 
 
 def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, masks: str = ""):
-    """The Triton CompiledKernel of flash's `kind` ("fwd", "dkdv" or "dq") Hopper kernel for bf16 at head dim d, with
-    `masks` ("w": a window, "d": documents, "wd": both)."""
+    """The Triton CompiledKernel of flash's `kind` ("fwd", "dkdv", "dq" or "fused") Hopper kernel for bf16 at head dim
+    d, with `masks` ("w": a window, "d": documents, "wd": both)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attention.flash.hopper import kernels as hopper_kernels
-    from attention.flash.hopper.host import _meta
+    from attention.flash.hopper.host import _meta, accumulator_layout
+    from attention.flash.hopper.tiles import FUSED_REGS
 
     if kind not in KERNELS:
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
@@ -81,14 +86,24 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
     meta = _meta(tiles, causal, window="w" in masks, docs="d" in masks)
     if kind == "fwd":
         meta["PERSISTENT"] = tiles.persistent
+    if kind == "fused":
+        meta.update(FUSED=True, DS_LAYOUT=_shared_layout(tiles.block_m, tiles.block_n, torch.bfloat16),
+                    CONSUMER_REGS=FUSED_REGS[0], DQ_REGS=FUSED_REGS[1])
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}
-    for i, name in enumerate(inspect.signature(fn.fn).parameters):
+    for i, (name, param) in enumerate(inspect.signature(fn.fn).parameters.items()):
+        if name not in meta and param.default is not inspect.Parameter.empty:
+            meta[name] = param.default  # a compile-time argument host.py's launches leave at its default
         if name in meta:
             signature[name] = "constexpr"
         elif name in DESCRIPTOR_ROWS[kind]:
             signature[name] = _descriptor_type(rows[DESCRIPTOR_ROWS[kind][name]], d, name in ROW_STATS)
+        elif name == "dqt_desc":  # the fused backward's dQ accumulator, None otherwise
+            if kind == "fused":
+                signature[name] = f"tensordesc<fp32[{d}, {tiles.block_n}],{accumulator_layout(d, tiles.block_n)!r}>"
+            else:
+                signature[name], meta[name] = "constexpr", None
         else:
             signature[name] = ARG_TYPES.get(name, "i32")
             if signature[name] != "fp32" and name != "window":
@@ -190,6 +205,8 @@ def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, window=1024, docs=True), causal))
         for kind, t in backward_tiles_for(d, n, b * h, H100_SMS).items():
             configs.append((kind, d, t, causal))
+        if d in FUSED_HEAD_DIMS:  # the backward unless deterministic
+            configs.append(("fused", d, backward_tiles_for(d, n, b * h, H100_SMS)["dkdv"], causal))
     return list(dict.fromkeys(configs))
 
 

@@ -61,6 +61,12 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[
     return HopperTiles(consumers=2, block_n=block_n, stages=3 if d == 64 else 4)
 
 
+# The fused backward's registers per thread (it runs at d 64, inputs.FUSED_HEAD_DIMS): the second dK/dV consumer's
+# and the dQ warpgroup's. The producer warp keeps 24 and the first consumer gets what is left of an SM's 65536 (488
+# minus both, per thread of the four warpgroups): 208, the most that compiles without spills.
+FUSED_REGS = (208, 72)
+
+
 def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[str, HopperTiles]:
     """dK/dV and dQ tiles: 64 resident rows per consumer; 64-row streamed tiles (32 for dK/dV at d 128).
 

@@ -68,6 +68,7 @@ INTERPRET_TILES = {"fwd": Tiles(32, 16, 4, 1), "dkdv": Tiles(16, 32, 4, 1), "dq"
 
 DELTA_BLOCK_M = 64  # the delta pre-pass is memory bound; not tuned
 WORK_ORDER_BLOCK = 64  # work items a program of work_order ranks
+DQ_FROM_ACCUMULATOR_BLOCK_M = 64  # memory bound; not tuned
 
 _FALLBACK_SMEM_BYTES = 227 * 1024  # Hopper's per-block opt-in limit, if the device cannot be asked
 _MAX_ACC_REGS_PER_THREAD = 128  # fp32 accumulator registers per thread before spills become likely
@@ -459,6 +460,14 @@ def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor) -> tuple[torch.Tensor,
                   (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
                   {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {})
     return out, launch
+
+
+def dq_from_accumulator(acc: torch.Tensor, dq4: torch.Tensor, scale: float) -> Launch:
+    """Writes dq4 ((batch, heads, seq, d), any memory order) = scale * the transposed fp32 accumulator acc
+    ((batch * heads, d, seq), the fused Hopper backward's); returns the launch resolved."""
+    b, h, n_q, d = dq4.shape
+    return _run(_kernels().dq_from_accumulator, (_cdiv(n_q, DQ_FROM_ACCUMULATOR_BLOCK_M), b * h),
+                (acc, dq4, *_strides(dq4), h, n_q, scale), 2, {"D": d, "BLOCK_M": DQ_FROM_ACCUMULATOR_BLOCK_M}, {})
 
 
 def work_order(starts: torch.Tensor, ends: torch.Tensor, n: int, rows: int, tile: int, causal: bool,

@@ -387,6 +387,28 @@ def attn_bwd_delta(
 
 
 @triton.jit
+def dq_from_accumulator(
+    ACC, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    H, N_Q, scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """dQ = scale * ACC^T in dQ's dtype and memory order, ACC the fused Hopper backward's fp32 (batch * heads, D, N_Q)
+    accumulator of dQ^T: each side is read or written along its contiguous dim, the transpose done on chip."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rows = offs_m < N_Q
+    acc = tl.load(ACC + bh.to(tl.int64) * D * N_Q + offs_d[:, None] * N_Q + offs_m[None, :], mask=rows[None, :])
+    dq = tl.trans(acc * scale)
+    dq_rows = DQ + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+    tl.store(dq_rows + offs_d[None, :] * stride_qd, dq.to(DQ.dtype.element_ty), mask=rows[:, None])
+
+
+@triton.jit
 def _dkdv_q_loop(
     dk, dv, k, v, Q, DO, L, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
     offs_n, offs_m, offs_d, lo, hi, N_Q, qk_scale, cap_scale, cap_log2e, N_K, window, key_start, START,

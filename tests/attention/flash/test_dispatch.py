@@ -63,7 +63,34 @@ def test_cpu_tensors_run_the_triton_kernels(shape):
 ], ids=["short", "long", "seq1000", "fp32"])
 def test_choice_for_an_sm90_gpu(shape, dtype, kernel, reason):
     choice = flash_kernels(*qkv(*shape, dtype=dtype), causal=True, capability=SM90)
-    assert choice == KernelChoice(kernel, kernel, reason, reason)
+    mode = "; " + dispatch.FUSED if kernel == "hopper" else ""  # the Hopper backward says which mode it runs
+    assert choice == KernelChoice(kernel, kernel, reason, reason + mode)
+
+
+@requires_gluon
+@pytest.mark.parametrize("d, window, asked, fused", [
+    (64, None, None, True), (64, None, True, False), (64, None, False, True), (128, None, None, False),
+    (64, 1024, None, False)], ids=["d64", "d64-deterministic-call", "d64-fast-call", "d128", "d64-window"])
+@pytest.mark.parametrize("torch_deterministic", [False, True], ids=["torch-default", "torch-deterministic"])
+def test_backward_mode_follows_torch_deterministic_algorithms(d, window, asked, fused, torch_deterministic):
+    """The Hopper backward runs fused (dQ added with atomics) where that is faster, at d 64 without a window or
+    documents, unless deterministic algorithms are asked for: by torch.use_deterministic_algorithms, or by the call,
+    whose own answer wins."""
+    inputs = qkv(1, 16, 8192, d)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(torch_deterministic)
+    try:
+        choice = flash_kernels(*inputs, causal=True, capability=SM90, replayed=True, window=window,
+                               deterministic=asked)
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    assert choice.backward == "hopper"
+    fused = fused and not (torch_deterministic and asked is None)
+    assert choice.backward_reason.endswith(dispatch.FUSED if fused else ")")
+    if not fused:
+        why = ("deterministic algorithms asked for" if asked or (torch_deterministic and asked is None) else
+               "the fused backward takes no window or documents" if window else "faster than the fused one")
+        assert dispatch.DETERMINISTIC in choice.backward_reason and why in choice.backward_reason
 
 
 def test_other_gpus_run_the_triton_kernels():

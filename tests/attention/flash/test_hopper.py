@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from attention import get_attention
 from attention.flash import flash_attention, flash_backward, flash_forward, use_kernels
 from attention.flash.hopper import host as hopper, inputs as hopper_inputs
 from attention.flash.hopper.tiles import HopperTiles
@@ -299,32 +300,91 @@ def test_flash_backward_runs_it_unless_triton_is_asked_for(monkeypatch):
     for got, want in zip(hopper_grads, triton_grads):
         assert got.stride() == want.stride()
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    repeat = flash_backward(q, k, v, o, lse, do, True, 0.125)
-    assert calls == [1, 1]
-    assert all(torch.equal(a, b) for a, b in zip(repeat, hopper_grads)), "the Hopper backward is not deterministic"
+    deterministic = [flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=True) for _ in range(2)]
+    assert calls == [1, 1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(*deterministic)), "the deterministic backward is not deterministic"
+    for got, want in zip(hopper_grads, deterministic[0]):  # the default at d 64 is the fused backward
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 @requires_hopper
-def test_backward_replays_in_a_cuda_graph(monkeypatch):
-    """dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager result."""
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fused"])
+def test_backward_replays_in_a_cuda_graph(monkeypatch, deterministic):
+    """Deterministic, dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager
+    result bitwise. Fused, the replay zeroes the dQ accumulator again before adding into it."""
     monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bhsd", seed=11)
     do = randn(2, 4, 512, 64, seed=12, dtype=torch.bfloat16)
     o, lse = flash_forward(q, k, v, True, 0.125)
-    eager = flash_backward(q, k, v, o, lse, do, True, 0.125)
+    eager = flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=deterministic)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as torch.cuda.graphs asks
-        flash_backward(q, k, v, o, lse, do, True, 0.125)
+        flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=deterministic)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = flash_backward(q, k, v, o, lse, do, True, 0.125)
-    for t in captured:
-        t.fill_(float("nan"))
-    graph.replay()
+        captured = flash_backward(q, k, v, o, lse, do, True, 0.125, deterministic=deterministic)
+    for _ in range(2):  # a second replay would see the first's dQ if the accumulator were not zeroed again
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+    for a, b in zip(captured, eager):
+        if deterministic:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
+@requires_hopper
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("h, h_kv, n", [(4, 4, 384), (4, 1, 512), (6, 2, 256), (2, 2, 128)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype):
+    """The fused backward (the dK/dV kernel adds dQ with TMA reductions) at d 64, where it runs: every gradient
+    element written, each within the deterministic backward's tolerance of float64, MHA and GQA."""
+    b, d, scale = 2, 64, 0.125
+    q = make_qkv(b, h, n, d, dtype, layout, seed=n + h)[0]
+    k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=n + 7)[:2]
+    do = make_qkv(b, h, n, d, dtype, layout, seed=n + 11)[0]
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    group = h // h_kv
+    o64, lse64 = attention64(q64, k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1), causal, scale)
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    o = o64.detach().to(DEVICE, dtype)
+    lse = lse64.detach().to(DEVICE, torch.float32).contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # every element must be written
+    hopper.backward(q, k, v, do, lse, delta, *grads, causal, scale, atomic_dq=True)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grads64):
+        assert got.stride() == {"dq": q, "dk": k, "dv": v}[name].stride()
+        assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
+
+
+@requires_hopper
+@pytest.mark.parametrize("d, fused", [(64, True), (128, False)])
+def test_flash_runs_the_fused_backward_unless_deterministic_algorithms_are_on(monkeypatch, d, fused):
+    """Through get_attention("flash"): fused where it is faster (d 64), the two bitwise-reproducible kernels under
+    torch.use_deterministic_algorithms(True), whose two backward passes agree bitwise."""
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
+    modes = []
+    real = hopper.backward
+    monkeypatch.setattr(hopper, "backward", lambda *a, **kw: modes.append(kw.get("atomic_dq")) or real(*a, **kw))
+    flash = get_attention("flash")
+    inputs = [t.requires_grad_() for t in make_qkv(2, 4, 512, d, torch.bfloat16, "bshd", seed=d)]
+    do = randn(2, 4, 512, d, seed=5, dtype=torch.bfloat16)
+    default = torch.autograd.grad(flash(*inputs, causal=True), inputs, do)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [torch.autograd.grad(flash(*inputs, causal=True), inputs, do) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert modes == [fused, False]  # the second deterministic call ran its plan
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    for got, want in zip(default, runs[0]):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 @requires_hopper

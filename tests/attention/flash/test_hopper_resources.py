@@ -24,10 +24,10 @@ CONFIGS = [("fwd", 64, HopperTiles(3, 128, 3)), ("fwd", 128, HopperTiles(2, 128,
            ("dkdv", 64, HopperTiles(2, 64, 4)), ("dkdv", 128, HopperTiles(2, 32, 4)), ("dq", 64, HopperTiles(3, 64, 4)),
            ("dq", 128, HopperTiles(2, 64, 4)), ("fwd", 64, HopperTiles(3, 64, 4, persistent=True)),
            ("fwd", 128, HopperTiles(2, 64, 4, persistent=True)), ("fwd", 128, HopperTiles(3, 64, 3, persistent=True)),
-           ("fwd", 128, HopperTiles(3, 64, 3))]
+           ("fwd", 128, HopperTiles(3, 64, 3)), ("fused", 64, HopperTiles(2, 64, 4))]
 
 
-MASKED = CONFIGS[:7:2] + CONFIGS[7:]  # each kernel at d 64, and the d 128 forwards of windows and documents
+MASKED = CONFIGS[:7:2] + CONFIGS[7:10]  # each kernel at d 64, and the d 128 forwards of windows and documents
 
 
 @pytest.fixture(scope="module")
