@@ -167,8 +167,8 @@ def test_long_causal_bf16_runs_the_hopper_kernels_on_sm90(monkeypatch):
                             or _real(*a, **kw))
     q, k, v = (torch.randn(*LONG, dtype=torch.bfloat16, device="cuda").requires_grad_() for _ in range(3))
     choice = flash_kernels(q, k, v, causal=True)
-    assert choice == KernelChoice("hopper", "hopper", "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)",
-                                  "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)")
+    reason = "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)"
+    assert choice == KernelChoice("hopper", "hopper", reason, reason + "; " + dispatch.FUSED)
     o = get_attention("flash")(q, k, v, causal=True)
     # A dense upstream gradient: .sum() would hand the backward a stride-0 dO, which the Hopper kernels refuse.
     o.backward(torch.randn_like(o))

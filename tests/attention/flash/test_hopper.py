@@ -625,8 +625,9 @@ def test_documents_run_through_the_hopper_plan_with_each_calls_bounds(monkeypatc
     n = 256
     with graph_replay():  # the Hopper backward at any size
         first = [t.requires_grad_() for t in make_qkv(2, 4, n, 64, torch.bfloat16, "bhsd", seed=0)]
-        o = flash(*first, causal=True, doc_ids=random_doc_ids(2, n, 1, 100, seed=1))
-        torch.autograd.grad(o, first, randn(*o.shape, seed=3, dtype=torch.bfloat16))
+        for _ in range(2):  # the first call of a new shape autotunes the Triton forward, the second resolves it
+            o = flash(*first, causal=True, doc_ids=random_doc_ids(2, n, 1, 100, seed=1))
+            torch.autograd.grad(o, first, randn(*o.shape, seed=3, dtype=torch.bfloat16))
         (_, backward_plans), = dispatch._plans.values()
         assert [type(p) for p in backward_plans.values()] == [hopper.BackwardPlan]
         inputs = [t.requires_grad_() for t in make_qkv(2, 4, n, 64, torch.bfloat16, "bhsd", seed=10)]
