@@ -57,6 +57,19 @@ def record_hopper_calls(monkeypatch) -> list[str]:
     return calls
 
 
+def backward_inputs64(q, k, v, do, causal, scale):
+    """(L, delta, float64 (dq, dk, dv)) of (batch, heads, seq, d) inputs, k and v with a divisor of q's heads: L and
+    delta from the float64 forward, in what the Hopper backward reads (fp32, and O in q's dtype for delta)."""
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    o64, lse64 = attention64(q64, k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1), causal, scale)
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
+    o = o64.detach().to(DEVICE, q.dtype)
+    lse = lse64.detach().to(DEVICE, torch.float32).contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    return lse, delta, grads64
+
+
 def rel(a, b):
     a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return ((a - b).norm() / b.norm()).item()
@@ -267,13 +280,7 @@ def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d):
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=d + 7)[:2]
     do = make_qkv(b, h, n, d, dtype, layout, seed=d + 11)[0]
     scale = d ** -0.5
-    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    group = h // h_kv
-    o64, lse64 = attention64(q64, k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1), causal, scale)
-    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
-    o = o64.detach().to(DEVICE, dtype)
-    lse = lse64.detach().to(DEVICE, torch.float32).contiguous()
-    delta = (do.float() * o.float()).sum(-1).contiguous()
+    lse, delta, grads64 = backward_inputs64(q, k, v, do, causal, scale)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # every element must be written
     hopper.backward(q, k, v, do, lse, delta, dq, dk, dv, causal, scale, tiles)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64):
@@ -349,13 +356,7 @@ def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype):
     q = make_qkv(b, h, n, d, dtype, layout, seed=n + h)[0]
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=n + 7)[:2]
     do = make_qkv(b, h, n, d, dtype, layout, seed=n + 11)[0]
-    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    group = h // h_kv
-    o64, lse64 = attention64(q64, k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1), causal, scale)
-    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.cpu().double())
-    o = o64.detach().to(DEVICE, dtype)
-    lse = lse64.detach().to(DEVICE, torch.float32).contiguous()
-    delta = (do.float() * o.float()).sum(-1).contiguous()
+    lse, delta, grads64 = backward_inputs64(q, k, v, do, causal, scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # every element must be written
     hopper.backward(q, k, v, do, lse, delta, *grads, causal, scale, atomic_dq=True)
     for name, got, want in zip(("dq", "dk", "dv"), grads, grads64):
