@@ -326,12 +326,14 @@ class ForwardPlan:
 
 class BackwardPlan:
     """The delta pre-pass and backward() of one input signature, resolved: `plan(q, k, v, o, lse, do, bounds)`,
-    bounds as in ForwardPlan; atomic_dq: the fused backward's (backward())."""
+    bounds as in ForwardPlan; accumulator_shape: the fused backward's dQ accumulator's (backward()), None when the
+    plan runs the two kernels."""
 
-    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape", "atomic_dq")
+    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape", "accumulator_shape")
 
-    def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...], atomic_dq: bool = False):
-        self.delta, self.delta_shape, self.atomic_dq = delta, delta_shape, atomic_dq
+    def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...],
+                 accumulator_shape: Optional[tuple[int, ...]] = None):
+        self.delta, self.delta_shape, self.accumulator_shape = delta, delta_shape, accumulator_shape
         self.dkdv, dkdv_descs, self.dq, dq_descs = resolved
         self.dkdv_descs, self.dq_descs = _released(dkdv_descs), _released(dq_descs)
 
@@ -341,8 +343,8 @@ class BackwardPlan:
         delta = empty(self.delta_shape, torch.float32, q.device)
         bounds = bounds or (lse, lse)
         self.delta(o, do, delta)
-        if self.atomic_dq:
-            acc = dq_accumulator(as_bhsd(q))
+        if self.accumulator_shape is not None:
+            acc = torch.zeros(self.accumulator_shape, dtype=torch.float32, device=q.device)
             _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta, acc), *bounds)
             self.dq(acc, dq)
             return dq, dk, dv
@@ -370,7 +372,10 @@ def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
     masks = Masks(window, *(bounds or ()))
     dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, masks, atomic_dq)
     usable = plannable(q, k, v, o, do) and lse.is_contiguous()
-    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), atomic_dq) if usable else None
+    if not usable:
+        return dq, dk, dv, None
+    b, h, n, d = as_bhsd(q).shape
+    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), (b * h, d, n) if atomic_dq else None)
 
 
 @functools.cache
@@ -418,7 +423,8 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
 
 
 def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
-    """The fused backward's zeroed fp32 accumulator of dQ^T for (batch, heads, seq, d) q: (batch * heads, d, seq)."""
+    """The fused backward's zeroed fp32 accumulator of dQ^T for (batch, heads, seq, d) q: (batch * heads, d, seq),
+    as BackwardPlan makes it."""
     b, h, n, d = q.shape
     return torch.zeros((b * h, d, n), dtype=torch.float32, device=q.device)
 
