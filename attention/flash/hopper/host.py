@@ -374,8 +374,8 @@ def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
     usable = plannable(q, k, v, o, do) and lse.is_contiguous()
     if not usable:
         return dq, dk, dv, None
-    b, h, n, d = as_bhsd(q).shape
-    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), (b * h, d, n) if atomic_dq else None)
+    shape = accumulator_shape(as_bhsd(q)) if atomic_dq else None
+    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), shape)
 
 
 @functools.cache
@@ -422,11 +422,15 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
 
 
-def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
-    """The fused backward's zeroed fp32 accumulator of dQ^T for (batch, heads, seq, d) q: (batch * heads, d, seq),
-    as BackwardPlan makes it."""
+def accumulator_shape(q: torch.Tensor) -> tuple[int, int, int]:
+    """The fused backward's fp32 accumulator of dQ^T for (batch, heads, seq, d) q: (batch * heads, d, seq)."""
     b, h, n, d = q.shape
-    return torch.zeros((b * h, d, n), dtype=torch.float32, device=q.device)
+    return b * h, d, n
+
+
+def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
+    """accumulator_shape(q), zeroed."""
+    return torch.zeros(accumulator_shape(q), dtype=torch.float32, device=q.device)
 
 
 def _accumulator_descriptor(acc: torch.Tensor, block_n: int):
