@@ -163,23 +163,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
              tiles: Optional[dict[str, HopperTiles]] = None, masks: Masks = NO_MASKS,
-             atomic_dq: bool = False) -> tuple:
+             dq_acc: Optional[torch.Tensor] = None) -> tuple:
     """Write dq, dk, dv (each in its input's memory order) for inputs backward_problem accepted; k and v may have
     fewer heads than q (GQA). Returns the launches resolved with their descriptors: (dK/dV launch, its descriptors
     of q, k, v, dO, dK, dV, L, delta and dQ's accumulator; dQ launch, its descriptors of q, k, v, dO, dQ) (see
     BackwardPlan).
 
-    atomic_dq: the fused backward (no window or documents), whose dK/dV kernel adds dQ into a zeroed fp32
-    accumulator (not bitwise reproducible); its dQ launch is then dq_from_accumulator's, with no descriptors.
+    dq_acc: run the fused backward (no window or documents): its dK/dV kernel adds dQ^T into this zeroed fp32
+    accumulator of accumulator_shape(q) (delta_and_launch zeroes it), in an order that varies; its dQ launch is then
+    dq_from_accumulator's, with no descriptors.
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
     b, h, n, d = q.shape
     tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0)), **(tiles or {})}
-    if atomic_dq:
-        acc = dq_accumulator(q)
-        dkdv = backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks, acc)
-        return (*dkdv, dq_from_accumulator(acc, dq, scale), ())
+    if dq_acc is not None:
+        dkdv = backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks, dq_acc)
+        return (*dkdv, dq_from_accumulator(dq_acc, dq, scale), ())
     dkdv, dq_pass = _side_by_side(
         q.device.index or 0,
         lambda: backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks),
@@ -268,13 +268,15 @@ def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def _backward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                    do: torch.Tensor, causal: bool, scale: float, masks: Masks, atomic_dq: bool = False) -> tuple:
-    """(dq, dk, dv, delta, delta launch, backward()'s launches and descriptors), as _forward_call."""
+    """(dq, dk, dv, delta, delta launch, backward()'s launches and descriptors), as _forward_call; atomic_dq: the
+    fused backward, whose accumulator the delta launch zeroes."""
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    acc = empty(accumulator_shape(q4), torch.float32, q.device) if atomic_dq else None
     with on_device_of(q):
-        delta, delta_launch = delta_and_launch(o4, do4)
+        delta, delta_launch = delta_and_launch(o4, do4, acc)
         resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
-                            masks=masks, atomic_dq=atomic_dq)
+                            masks=masks, dq_acc=acc)
     return dq, dk, dv, delta, delta_launch, resolved
 
 
@@ -342,12 +344,13 @@ class BackwardPlan:
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         delta = empty(self.delta_shape, torch.float32, q.device)
         bounds = bounds or (lse, lse)
-        self.delta(o, do, delta)
         if self.accumulator_shape is not None:
-            acc = torch.zeros(self.accumulator_shape, dtype=torch.float32, device=q.device)
+            acc = empty(self.accumulator_shape, torch.float32, q.device)
+            self.delta(o, do, delta, acc)  # which zeroes acc
             _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta, acc), *bounds)
             self.dq(acc, dq)
             return dq, dk, dv
+        self.delta(o, do, delta, delta)
         _side_by_side(q.device.index or 0,
                       lambda: _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta), *bounds),
                       lambda: _launch_pointed(self.dq, self.dq_descs, (q, k, v, do, dq), lse, delta, *bounds))
@@ -398,7 +401,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
                   dq_acc: Optional[torch.Tensor] = None) -> tuple[Launch, tuple]:
     """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
     per (batch, key/value head) and key rows, over the query tiles of its group's heads. With dq_acc
-    (dq_accumulator's, zeroed) it adds dQ^T there too (the fused backward); the last descriptor returned is then the
+    (accumulator_shape(q), zeroed) it adds dQ^T there too (the fused backward); the last descriptor returned is then the
     accumulator's, else None stands in its place."""
     import triton
 
@@ -428,13 +431,9 @@ def accumulator_shape(q: torch.Tensor) -> tuple[int, int, int]:
     return b * h, d, n
 
 
-def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
-    """accumulator_shape(q), zeroed."""
-    return torch.zeros(accumulator_shape(q), dtype=torch.float32, device=q.device)
-
-
 def _accumulator_descriptor(acc: torch.Tensor, block_n: int):
-    """A TMA descriptor of dq_accumulator's acc as (batch * heads * d, seq) rows, in blocks of (d, block_n)."""
+    """A TMA descriptor of the accumulator acc (accumulator_shape) as (batch * heads * d, seq) rows, in blocks of
+    (d, block_n)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     bh, d, n = acc.shape

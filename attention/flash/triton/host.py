@@ -451,14 +451,17 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     return dq, dk, dv, None if None in launches else launches
 
 
-def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor) -> tuple[torch.Tensor, Launch]:
+def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor,
+                     acc: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Launch]:
     """rowsum(dO * O) in fp32, (batch, heads, seq): the softmax-backward term the Hopper backward kernels read (the
-    Triton dQ kernel computes its own); and its launch resolved."""
+    Triton dQ kernel computes its own); and its launch resolved, `launch(o4, do4, delta, acc)` (acc: delta itself
+    when not given). acc: the fused Hopper backward's (batch * heads, d, seq) fp32 accumulator, zeroed by the same
+    launch."""
     b, h, n_q, d = o4.shape
     out = empty((b, h, n_q), torch.float32, o4.device)
     launch = _run(_kernels().attn_bwd_delta, (_cdiv(n_q, DELTA_BLOCK_M), b * h),
-                  (o4, do4, out, *_strides(o4), *_strides(do4), h, n_q), 3,
-                  {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M}, {})
+                  (o4, do4, out, out if acc is None else acc, *_strides(o4), *_strides(do4), h, n_q), 4,
+                  {"D": d, "BLOCK_D": _block_d(d), "BLOCK_M": DELTA_BLOCK_M, "ZERO_ACC": acc is not None}, {})
     return out, launch
 
 

@@ -364,13 +364,15 @@ def _streamed_tiles(items, ITEMS, N, window, START, END, CAUSAL: tl.constexpr, W
 
 @triton.jit
 def attn_bwd_delta(
-    O, DO, DELTA,
+    O, DO, DELTA, ACC,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, N_Q,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_ACC: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by every key of a row (Hopper backward)."""
+    """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by every key of a row (Hopper backward).
+    ZERO_ACC: also zero the same rows of the fused backward's (batch * heads, D, N_Q) fp32 dQ^T accumulator ACC, which
+    saves that backward a launch."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -384,6 +386,9 @@ def attn_bwd_delta(
                     offs_m, N_Q, offs_d, D, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    if ZERO_ACC:
+        acc = ACC + bh.to(tl.int64) * D * N_Q + offs_d[:, None] * N_Q + offs_m[None, :]
+        tl.store(acc, tl.zeros((BLOCK_D, BLOCK_M), tl.float32), mask=(offs_d[:, None] < D) & (offs_m[None, :] < N_Q))
 
 
 @triton.jit

@@ -358,7 +358,8 @@ def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype):
     do = make_qkv(b, h, n, d, dtype, layout, seed=n + 11)[0]
     lse, delta, grads64 = backward_inputs64(q, k, v, do, causal, scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # every element must be written
-    hopper.backward(q, k, v, do, lse, delta, *grads, causal, scale, atomic_dq=True)
+    acc = torch.zeros(hopper.accumulator_shape(q), dtype=torch.float32, device=q.device)
+    hopper.backward(q, k, v, do, lse, delta, *grads, causal, scale, dq_acc=acc)
     for name, got, want in zip(("dq", "dk", "dv"), grads, grads64):
         assert got.stride() == {"dq": q, "dk": k, "dv": v}[name].stride()
         assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
@@ -372,7 +373,8 @@ def test_flash_runs_the_fused_backward_unless_deterministic_algorithms_are_on(mo
     monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     modes = []
     real = hopper.backward
-    monkeypatch.setattr(hopper, "backward", lambda *a, **kw: modes.append(kw.get("atomic_dq")) or real(*a, **kw))
+    recording = lambda *a, **kw: modes.append(kw.get("dq_acc") is not None) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(hopper, "backward", recording)
     flash = get_attention("flash")
     inputs = [t.requires_grad_() for t in make_qkv(2, 4, 512, d, torch.bfloat16, "bshd", seed=d)]
     do = randn(2, 4, 512, d, seed=5, dtype=torch.bfloat16)

@@ -325,6 +325,45 @@ def test_the_dq_kernel_writes_the_delta_that_dkdv_reads(monkeypatch, h, h_kv, n)
     torch.testing.assert_close(written.double(), (do.double() * o.double()).sum(-1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("h, n, d", [(3, 100, 64), (2, 128, 128)], ids=str)
+def test_the_hopper_pre_pass_writes_delta_and_zeroes_the_fused_accumulator(layout, h, n, d):
+    """delta_and_launch: delta = rowsum(dO * O) in fp32, and with the fused backward's accumulator, every element of
+    it zeroed by the same launch; its launch repeats both on new tensors."""
+    from attention.flash.hopper.host import accumulator_shape
+
+    def inputs(seed):
+        shape = (2, n, h, d) if layout == "bshd" else (2, h, n, d)
+        o, do = (randn(*shape, seed=seed + i) for i in range(2))
+        if layout == "bshd":
+            o, do = o.transpose(1, 2), do.transpose(1, 2)
+        return o, do, torch.full(accumulator_shape(o), float("nan"), device=o.device)
+
+    o, do, acc = inputs(0)
+    delta, launch = flash_triton.delta_and_launch(o, do, acc)
+    want = (o.double() * do.double()).sum(-1)
+    torch.testing.assert_close(delta.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(acc, torch.zeros_like(acc))
+    o, do, acc = inputs(5)
+    launch(o, do, delta, acc)
+    torch.testing.assert_close(delta.double(), (o.double() * do.double()).sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(acc, torch.zeros_like(acc))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_dq_from_accumulator_transposes_and_scales_into_dq(layout, dtype):
+    """The fused backward's last launch: dq = scale * the (batch * heads, d, seq) accumulator transposed, in dq's
+    dtype and memory order, every element written."""
+    b, h, n, d = 2, 3, 100, 64
+    acc = randn(b * h, d, n, seed=1)
+    dq = (torch.full((b, n, h, d), float("nan"), dtype=dtype, device=acc.device).transpose(1, 2) if layout == "bshd"
+          else torch.full((b, h, n, d), float("nan"), dtype=dtype, device=acc.device))
+    flash_triton.dq_from_accumulator(acc, dq, 0.125)
+    want = (0.125 * acc.double()).view(b, h, d, n).transpose(-1, -2)
+    torch.testing.assert_close(dq.double(), want, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("b, n, rows, tile, causal, window", [
     (1, 1024, 128, 64, True, None), (3, 640, 128, 64, True, 200), (2, 700, 64, 32, False, None),
     (2, 512, 192, 64, False, 100)], ids=["causal", "causal-window", "documents", "window"])
