@@ -363,6 +363,13 @@ def _streamed_tiles(items, ITEMS, N, window, START, END, CAUSAL: tl.constexpr, W
 
 
 @triton.jit
+def _accumulator_tile(ACC, bh, offs_d, offs_m, N_Q, D: tl.constexpr):
+    """The addresses of (batch, head) bh's dQ^T at columns offs_d, rows offs_m, as a (columns, rows) tile, in the
+    fused Hopper backward's fp32 (batch * heads, D, N_Q) accumulator."""
+    return ACC + bh.to(tl.int64) * D * N_Q + offs_d[:, None] * N_Q + offs_m[None, :]
+
+
+@triton.jit
 def attn_bwd_delta(
     O, DO, DELTA, ACC,
     stride_ob, stride_oh, stride_om, stride_od,
@@ -387,8 +394,8 @@ def attn_bwd_delta(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
     if ZERO_ACC:
-        acc = ACC + bh.to(tl.int64) * D * N_Q + offs_d[:, None] * N_Q + offs_m[None, :]
-        tl.store(acc, tl.zeros((BLOCK_D, BLOCK_M), tl.float32), mask=(offs_d[:, None] < D) & (offs_m[None, :] < N_Q))
+        tl.store(_accumulator_tile(ACC, bh, offs_d, offs_m, N_Q, D), tl.zeros((BLOCK_D, BLOCK_M), tl.float32),
+                 mask=(offs_d[:, None] < D) & (offs_m[None, :] < N_Q))
 
 
 @triton.jit
@@ -407,7 +414,7 @@ def dq_from_accumulator(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     rows = offs_m < N_Q
-    acc = tl.load(ACC + bh.to(tl.int64) * D * N_Q + offs_d[:, None] * N_Q + offs_m[None, :], mask=rows[None, :])
+    acc = tl.load(_accumulator_tile(ACC, bh, offs_d, offs_m, N_Q, D), mask=rows[None, :])
     dq = tl.trans(acc * scale)
     dq_rows = DQ + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
     tl.store(dq_rows + offs_d[None, :] * stride_qd, dq.to(DQ.dtype.element_ty), mask=rows[:, None])
