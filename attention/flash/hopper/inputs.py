@@ -16,12 +16,12 @@ DTYPES = (torch.bfloat16, torch.float16)
 CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
 MAX_PROGRAM_ROWS = 65535  # batch * heads goes on CUDA grid axis 1
-# Scores are batch * heads * n^2, halved when causal. Below this, eager calls keep the Triton kernels: their host time
-# per call is the shorter, and it decides (docs/flash.md, Host time of short sequences).
-MIN_SCORES = 2**28
+# Scores are batch * heads * n^2, halved when causal. Below these, by pass and head dim, eager calls keep the Triton
+# kernels: their host time per call is the shorter, and it decides (docs/flash.md, Host time of short sequences).
+MIN_SCORES = {"forward": {64: 2**28, 128: 2**26}, "backward": {64: 2**27, 128: 2**26}}
 # Launches replayed from a CUDA graph (attention.graph_replay, or a capture in progress) cost no host time, so the GPU
 # time alone decides: the Hopper backward wins at any size, the forward from these scores (docs/flash.md, CUDA graphs).
-REPLAYED_FORWARD_MIN_SCORES = {64: 2**27, 128: 0}
+REPLAYED_MIN_SCORES = {"forward": {64: 2**27, 128: 0}, "backward": {64: 0, 128: 0}}
 
 
 @functools.cache
@@ -57,10 +57,9 @@ def rows_index(t: torch.Tensor) -> Optional[tuple[int, int, int, tuple[int, int]
 
 
 def min_scores(d: int, pass_name: str, replayed: bool) -> int:
-    """The fewest scores for which the Hopper kernels of `pass_name` ("forward" or "backward") run (see MIN_SCORES)."""
-    if not replayed:
-        return MIN_SCORES
-    return REPLAYED_FORWARD_MIN_SCORES.get(d, 0) if pass_name == "forward" else 0
+    """The fewest scores for which the Hopper kernels of `pass_name` ("forward" or "backward") run at head dim d (one of
+    HEAD_DIMS; see MIN_SCORES)."""
+    return (REPLAYED_MIN_SCORES if replayed else MIN_SCORES)[pass_name][d]
 
 
 def scores(batch_heads: int, n: int, causal: bool, window: Optional[int] = None) -> int:

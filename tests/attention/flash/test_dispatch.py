@@ -52,19 +52,38 @@ def test_cpu_tensors_run_the_triton_kernels(shape):
     assert choice.forward_reason == "triton: the Hopper kernels need CUDA tensors"
 
 
+TOO_FEW = "triton: 2^16 scores are too few for the Hopper kernels: below {} host time outweighs the faster kernels"
+
+
 @requires_gluon
 @pytest.mark.parametrize("shape, dtype, kernel, reason", [
-    (SHORT, torch.bfloat16, "triton",
-     "triton: 2^16 scores are too few for the Hopper kernels: below 2^28 host time outweighs the faster kernels"),
-    (LONG, torch.bfloat16, "hopper", "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)"),
+    (SHORT, torch.bfloat16, "triton", (TOO_FEW.format("2^28"), TOO_FEW.format("2^27"))),
+    (LONG, torch.bfloat16, "hopper", ("hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)",
+                                      "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^27)")),
     (SEQ_1000, torch.bfloat16, "triton",
      "triton: the Hopper kernels need a sequence that is a multiple of 128, got 1000"),
     (LONG, torch.float32, "triton", "triton: the Hopper kernels take float16 and bfloat16, not torch.float32"),
 ], ids=["short", "long", "seq1000", "fp32"])
 def test_choice_for_an_sm90_gpu(shape, dtype, kernel, reason):
     choice = flash_kernels(*qkv(*shape, dtype=dtype), causal=True, capability=SM90)
+    forward_reason, backward_reason = reason if isinstance(reason, tuple) else (reason, reason)
     mode = "; " + dispatch.FUSED if kernel == "hopper" else ""  # the Hopper backward says which mode it runs
-    assert choice == KernelChoice(kernel, kernel, reason, reason + mode)
+    assert choice == KernelChoice(kernel, kernel, forward_reason, backward_reason + mode)
+
+
+@requires_gluon
+@pytest.mark.parametrize("shape, forward, backward", [
+    ((1, 16, 4096, 64), "triton", "hopper"),  # 2^27 scores
+    ((16, 12, 1024, 64), "triton", "triton"),  # 3 * 2^25
+    ((8, 16, 2048, 64), "hopper", "hopper"),  # 2^28
+    ((8, 16, 1024, 128), "hopper", "hopper"),  # 2^26
+    ((8, 32, 512, 128), "triton", "triton"),  # 2^25
+], ids=["d64-2^27", "d64-3x2^25", "d64-2^28", "d128-2^26", "d128-2^25"])
+def test_eager_calls_take_each_hopper_pass_from_its_own_size(shape, forward, backward):
+    """Eager, a Hopper pass runs where its faster kernel outweighs its launch's extra host time: at d 64 the backward
+    from fewer scores than the forward, at d 128 both from fewer than at d 64."""
+    choice = flash_kernels(*qkv(*shape), causal=True, capability=SM90, replayed=False)
+    assert (choice.forward, choice.backward) == (forward, backward), choice
 
 
 @requires_gluon
@@ -167,8 +186,9 @@ def test_long_causal_bf16_runs_the_hopper_kernels_on_sm90(monkeypatch):
                             or _real(*a, **kw))
     q, k, v = (torch.randn(*LONG, dtype=torch.bfloat16, device="cuda").requires_grad_() for _ in range(3))
     choice = flash_kernels(q, k, v, causal=True)
-    reason = "hopper: sm_90, bf16, d 64, 2^29 scores (at least 2^28)"
-    assert choice == KernelChoice("hopper", "hopper", reason, reason + "; " + dispatch.FUSED)
+    reason = "hopper: sm_90, bf16, d 64, 2^29 scores (at least {})"
+    assert choice == KernelChoice("hopper", "hopper", reason.format("2^28"),
+                                  reason.format("2^27") + "; " + dispatch.FUSED)
     o = get_attention("flash")(q, k, v, causal=True)
     # A dense upstream gradient: .sum() would hand the backward a stride-0 dO, which the Hopper kernels refuse.
     o.backward(torch.randn_like(o))
@@ -292,8 +312,9 @@ def test_documents_run_through_the_plan_with_each_calls_bounds(monkeypatch, h, h
         return [randn(b, heads, n, d, seed=seed + i).requires_grad_() for i, heads in enumerate((h, h_kv, h_kv))]
 
     first = inputs(0)
-    o = flash(*first, causal=True, window=window, doc_ids=random_doc_ids(b, n, 1, 12, seed=1))
-    torch.autograd.grad(o, first, randn(*o.shape, seed=19))
+    for _ in range(2):  # on a GPU a new shape's first call autotunes, and the second keeps a plan
+        o = flash(*first, causal=True, window=window, doc_ids=random_doc_ids(b, n, 1, 12, seed=1))
+        torch.autograd.grad(o, first, randn(*o.shape, seed=19))
     assert len(dispatch._plans) == 1
     q, k, v = inputs(10)
     doc_ids, do = random_doc_ids(b, n, 1, 12, seed=2), randn(*o.shape, seed=20)

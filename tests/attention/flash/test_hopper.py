@@ -164,8 +164,7 @@ def test_gqa_forward_matches_float64(layout, causal, h, h_kv, d):
 
 
 @requires_hopper
-def test_gqa_through_flash_runs_the_hopper_kernels(monkeypatch):
-    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
+def test_gqa_through_flash_runs_the_hopper_kernels(hopper_at_every_size, monkeypatch):
     calls = record_hopper_calls(monkeypatch)
     q = make_qkv(2, 4, 256, 64, torch.bfloat16, "bshd", seed=5)[0].requires_grad_()
     k, v = (t.requires_grad_() for t in make_qkv(2, 2, 256, 64, torch.bfloat16, "bshd", seed=6)[:2])
@@ -181,8 +180,7 @@ def test_gqa_through_flash_runs_the_hopper_kernels(monkeypatch):
 
 
 @requires_hopper
-def test_flash_runs_it_unless_triton_is_asked_for(monkeypatch):
-    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
+def test_flash_runs_it_unless_triton_is_asked_for(hopper_at_every_size, monkeypatch):
     calls = []
     real = hopper.forward
     monkeypatch.setattr(hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -199,8 +197,7 @@ def test_flash_runs_it_unless_triton_is_asked_for(monkeypatch):
 
 @requires_hopper
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gradients_through_flash_match_float64(monkeypatch, compiled):
-    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
+def test_gradients_through_flash_match_float64(hopper_at_every_size, monkeypatch, compiled):
     calls = record_hopper_calls(monkeypatch)
     torch._dynamo.reset()
     flash = flash_attention
@@ -291,8 +288,7 @@ def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d):
 
 
 @requires_hopper
-def test_flash_backward_runs_it_unless_triton_is_asked_for(monkeypatch):
-    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
+def test_flash_backward_runs_it_unless_triton_is_asked_for(hopper_at_every_size, monkeypatch):
     calls = []
     real = hopper.backward
     monkeypatch.setattr(hopper, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -316,10 +312,9 @@ def test_flash_backward_runs_it_unless_triton_is_asked_for(monkeypatch):
 
 @requires_hopper
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fused"])
-def test_backward_replays_in_a_cuda_graph(monkeypatch, deterministic):
+def test_backward_replays_in_a_cuda_graph(hopper_at_every_size, deterministic):
     """Deterministic, dQ runs on a second stream: a captured backward must fork and join it, and replay to the eager
     result bitwise. Fused, the replay zeroes the dQ accumulator again before adding into it."""
-    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     q, k, v = make_qkv(2, 4, 512, 64, torch.bfloat16, "bhsd", seed=11)
     do = randn(2, 4, 512, 64, seed=12, dtype=torch.bfloat16)
     o, lse = flash_forward(q, k, v, True, 0.125)
@@ -367,10 +362,10 @@ def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype):
 
 @requires_hopper
 @pytest.mark.parametrize("d, fused", [(64, True), (128, False)])
-def test_flash_runs_the_fused_backward_unless_deterministic_algorithms_are_on(monkeypatch, d, fused):
+def test_flash_runs_the_fused_backward_unless_deterministic_algorithms_are_on(hopper_at_every_size, monkeypatch, d,
+                                                                             fused):
     """Through get_attention("flash"): fused where it is faster (d 64), the two bitwise-reproducible kernels under
     torch.use_deterministic_algorithms(True), whose two backward passes agree bitwise."""
-    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     modes = []
     real = hopper.backward
     recording = lambda *a, **kw: modes.append(kw.get("dq_acc") is not None) or real(*a, **kw)  # noqa: E731
@@ -562,10 +557,10 @@ def test_the_persistent_forward_is_the_forward_of_a_program_per_item(case, h, h_
 @requires_hopper
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("window, docs", [(96, True), (4096, False)], ids=["window96-docs", "window4096"])
-def test_masked_attention_through_flash_runs_the_hopper_kernels(monkeypatch, compiled, window, docs):
+def test_masked_attention_through_flash_runs_the_hopper_kernels(hopper_at_every_size, monkeypatch, compiled, window,
+                                                                docs):
     """The registry's flash with a window, and packed documents (doc_ids broadcast over two leading dims), takes the
     Hopper kernels, eager and compiled; it matches float64."""
-    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", 0)
     calls = record_hopper_calls(monkeypatch)
     torch._dynamo.reset()
     flash = torch.compile(flash_attention, fullgraph=True) if compiled else flash_attention
