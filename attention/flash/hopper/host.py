@@ -75,6 +75,14 @@ def _meta(t: HopperTiles, causal: bool, group: int = 1, window: bool = False, do
                 STAGES=t.stages, NUM_CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs, num_warps=4)
 
 
+def fused_meta(t: HopperTiles, dtype: torch.dtype) -> dict:
+    """The compile-time arguments that make the dK/dV kernel the fused backward (tiles t, inputs of dtype): on top of
+    _meta's, its dS^T layout and the registers of FUSED_REGS."""
+    consumer_regs, dq_regs = FUSED_REGS
+    return dict(FUSED=True, DS_LAYOUT=_shared_layout(t.block_m, t.block_n, dtype), CONSUMER_REGS=consumer_regs,
+                DQ_REGS=dq_regs)
+
+
 @dataclass(frozen=True)
 class Masks:
     """What masks the scores beyond causal: a window of `window` keys, documents bounded by `starts` and `ends`
@@ -219,10 +227,10 @@ def run_forward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bo
 def run_backward(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                  do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
                  starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
-                 atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of (batch, heads, seq, d) inputs that backward_problem accepted, after Triton's delta pre-pass;
-    atomic_dq: the fused backward (see backward)."""
-    return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends), atomic_dq)[:3]
+    fused: run the fused backward (see backward)."""
+    return _backward_call(q4, k4, v4, o4, lse, do4, causal, scale, Masks(window, starts, ends), fused)[:3]
 
 
 
@@ -244,13 +252,13 @@ def _(q4, k4, v4, causal, scale, window=None, starts=None, ends=None):
 def backward_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                 do4: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
                 starts: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
-                atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """run_backward as an operator."""
-    return run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends, atomic_dq)
+    return run_backward(q4, k4, v4, o4, lse, do4, causal, scale, window, starts, ends, fused)
 
 
 @backward_op.register_fake
-def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None, atomic_dq=False):
+def _(q4, k4, v4, o4, lse, do4, causal, scale, window=None, starts=None, ends=None, fused=False):
     return empty_like(q4), empty_like(k4), empty_like(v4)
 
 
@@ -267,12 +275,12 @@ def _forward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _backward_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                   do: torch.Tensor, causal: bool, scale: float, masks: Masks, atomic_dq: bool = False) -> tuple:
-    """(dq, dk, dv, delta, delta launch, backward()'s launches and descriptors), as _forward_call; atomic_dq: the
-    fused backward, whose accumulator the delta launch zeroes."""
+                   do: torch.Tensor, causal: bool, scale: float, masks: Masks, fused: bool = False) -> tuple:
+    """(dq, dk, dv, delta, delta launch, backward()'s launches and descriptors), as _forward_call; fused: run the fused
+    backward, whose accumulator the delta launch zeroes."""
     q4, k4, v4, o4, do4 = (as_bhsd(t) for t in (q, k, v, o, do))
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-    acc = empty(accumulator_shape(q4), torch.float32, q.device) if atomic_dq else None
+    acc = empty(accumulator_shape(q4), torch.float32, q.device) if fused else None
     with on_device_of(q):
         delta, delta_launch = delta_and_launch(o4, do4, acc)
         resolved = backward(q4, k4, v4, do4, lse, delta, as_bhsd(dq), as_bhsd(dk), as_bhsd(dv), causal, scale,
@@ -369,15 +377,15 @@ def planned_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                      do: torch.Tensor, causal: bool, scale: float, window: Optional[int] = None,
-                     bounds: Optional[tuple] = None, atomic_dq: bool = False) -> tuple:
+                     bounds: Optional[tuple] = None, fused: bool = False) -> tuple:
     """(dq, dk, dv, plan) of inputs that backward_problem accepted, as planned_forward; lse contiguous, as the
-    forwards make it; atomic_dq: the fused backward."""
+    forwards make it; fused: run the fused backward."""
     masks = Masks(window, *(bounds or ()))
-    dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, masks, atomic_dq)
+    dq, dk, dv, delta, delta_launch, resolved = _backward_call(q, k, v, o, lse, do, causal, scale, masks, fused)
     usable = plannable(q, k, v, o, do) and lse.is_contiguous()
     if not usable:
         return dq, dk, dv, None
-    shape = accumulator_shape(as_bhsd(q)) if atomic_dq else None
+    shape = accumulator_shape(as_bhsd(q)) if fused else None
     return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), shape)
 
 
@@ -419,9 +427,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
             scale)
     meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), FUSED=False, DS_LAYOUT=None, DQ_REGS=0)
     if dq_acc is not None:
-        consumer_regs, dq_regs = FUSED_REGS
-        meta.update(FUSED=True, DS_LAYOUT=_shared_layout(t.block_m, t.block_n, q.dtype), CONSUMER_REGS=consumer_regs,
-                    DQ_REGS=dq_regs)
+        meta.update(fused_meta(t, q.dtype))
     return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
 
 

@@ -77,8 +77,7 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from attention.flash.hopper import kernels as hopper_kernels
-    from attention.flash.hopper.host import _meta, accumulator_layout
-    from attention.flash.hopper.tiles import FUSED_REGS
+    from attention.flash.hopper.host import _meta, accumulator_layout, fused_meta
 
     if kind not in KERNELS:
         raise ValueError(f"kind must be one of {', '.join(KERNELS)}, got {kind!r}")
@@ -87,8 +86,7 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
     if kind == "fwd":
         meta["PERSISTENT"] = tiles.persistent
     if kind == "fused":
-        meta.update(FUSED=True, DS_LAYOUT=_shared_layout(tiles.block_m, tiles.block_n, torch.bfloat16),
-                    CONSUMER_REGS=FUSED_REGS[0], DQ_REGS=FUSED_REGS[1])
+        meta.update(fused_meta(tiles, torch.bfloat16))
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}
