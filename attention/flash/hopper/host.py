@@ -13,7 +13,7 @@ import torch
 
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of, sm_count
 from attention.flash.hopper.inputs import rows_index
-from attention.flash.hopper.tiles import FUSED_REGS, HopperTiles, backward_tiles_for, fused_dq_rows, tiles_for
+from attention.flash.hopper.tiles import FUSED_REGS, HopperTiles, backward_tiles_for, tiles_for
 from attention.flash.triton.host import Launch, delta_and_launch, dq_from_accumulator, plannable, work_order
 
 
@@ -75,10 +75,10 @@ def _meta(t: HopperTiles, causal: bool, group: int = 1, window: bool = False, do
                 STAGES=t.stages, NUM_CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs, num_warps=4)
 
 
-def fused_meta(t: HopperTiles, d: int, dtype: torch.dtype) -> dict:
-    """The compile-time arguments that make the dK/dV kernel the fused backward (tiles t, inputs of head dim d and
-    dtype): on top of _meta's, its dS^T layout and, with a dQ warpgroup (fused_dq_rows), the registers of FUSED_REGS."""
-    consumer_regs, dq_regs = FUSED_REGS if fused_dq_rows(d, t.consumers) == d else (t.consumer_regs, 0)
+def fused_meta(t: HopperTiles, dtype: torch.dtype) -> dict:
+    """The compile-time arguments that make the dK/dV kernel the fused backward (tiles t, inputs of dtype): on top of
+    _meta's, its dS^T layout and the registers of FUSED_REGS."""
+    consumer_regs, dq_regs = FUSED_REGS
     return dict(FUSED=True, DS_LAYOUT=_shared_layout(t.block_m, t.block_n, dtype), CONSUMER_REGS=consumer_regs,
                 DQ_REGS=dq_regs)
 
@@ -421,13 +421,13 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     starts, ends, window = masks.arguments(lse)
     descs = (*descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
              _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
-             None if dq_acc is None else _accumulator_descriptor(dq_acc, fused_dq_rows(d, t.consumers), t.block_n))
+             None if dq_acc is None else _accumulator_descriptor(dq_acc, t.block_n))
     grid = (triton.cdiv(n, t.rows), b * k.shape[1])
     args = (*descs, starts, ends, *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e),
             scale)
     meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), FUSED=False, DS_LAYOUT=None, DQ_REGS=0)
     if dq_acc is not None:
-        meta.update(fused_meta(t, d, q.dtype))
+        meta.update(fused_meta(t, q.dtype))
     return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
 
 
@@ -437,21 +437,21 @@ def accumulator_shape(q: torch.Tensor) -> tuple[int, int, int]:
     return b * h, d, n
 
 
-def _accumulator_descriptor(acc: torch.Tensor, rows: int, block_n: int):
+def _accumulator_descriptor(acc: torch.Tensor, block_n: int):
     """A TMA descriptor of the accumulator acc (accumulator_shape) as (batch * heads * d, seq) rows, in blocks of
-    (rows, block_n): rows of d in one dQ^T tile (fused_dq_rows)."""
+    (d, block_n)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     bh, d, n = acc.shape
-    return TensorDescriptor.from_tensor(acc.view(bh * d, n), [rows, block_n], accumulator_layout(rows, block_n))
+    return TensorDescriptor.from_tensor(acc.view(bh * d, n), [d, block_n], accumulator_layout(d, block_n))
 
 
 @functools.cache
-def accumulator_layout(rows: int, block_n: int):
-    """The shared layout of a (rows, block_n) fp32 dQ^T tile on its way to the accumulator."""
+def accumulator_layout(d: int, block_n: int):
+    """The shared layout of a (d, block_n) fp32 dQ^T tile on its way to the accumulator."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for([rows, block_n], gl.float32)
+    return gl.NVMMASharedLayout.get_default_for([d, block_n], gl.float32)
 
 
 def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,

@@ -11,7 +11,7 @@ import torch
 HEAD_DIMS = (64, 128)
 # The fused backward runs at d 64, where its backward took 11-12% less time than the two kernels side by side at long
 # sequences on the H200; at d 128 it took 1-13% more (docs/flash.md, Backward modes).
-FUSED_HEAD_DIMS = (64, 128)
+FUSED_HEAD_DIMS = (64,)
 DTYPES = (torch.bfloat16, torch.float16)
 CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows

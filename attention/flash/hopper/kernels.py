@@ -752,11 +752,8 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
     col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
     slot = i % STAGES
     prev = (i - 1) % STAGES
-    SPLIT: gl.constexpr = FUSED and shared_ds[5] is not None
     dpt_tok = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)),
                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
-    if SPLIT:  # tile i-1's dQ^T share, a tile late: the other consumer has long put its dS^T of that tile
-        dqt = _issue_dq_share(shared_ds, i - 1)
     dk_tok = warpgroup_mma(ds, q_smem.index(prev), dk, is_async=True)
     # The tile's row statistics came with it (the producer's TMA): a shared-memory read, while the matmuls run.
     lse2 = lse_smem.index(slot).load(col_s) * LOG2E
@@ -772,11 +769,7 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
                            BLOCK_N, st_layout)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-    if SPLIT:  # the share goes out while dK of tile i-1 and dV of tile i run
-        dpt, dqt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok, dqt])
-        _add_dq_share(shared_ds, i - 1, dqt, first, per_head, GROUP)
-    else:
-        dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
+    dpt = warpgroup_mma_wait(num_outstanding=2, deps=[dpt_tok])  # dK of tile i-1 and dV of tile i may still run
     dst = pt * (dpt - delta[None, :])
     if FUSED:
         _share_ds(shared_ds, i, dst.to(dtype))
@@ -848,7 +841,6 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
     dst = pt * (dpt - delta[None, :])
-    SPLIT: gl.constexpr = FUSED and shared_ds[5] is not None
     if FUSED:
         _share_ds(shared_ds, lo, dst.to(dtype))
     dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
@@ -867,18 +859,11 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
                                           st_layout, op_layout, GROUP, FUSED)  # the last: no S^T to issue
 
     dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
-    if SPLIT:
-        dqt = _issue_dq_share(shared_ds, last)
     dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
     mbarrier.arrive(empty.index(last % STAGES), count=1)
-    if SPLIT:
-        _add_dq_share(shared_ds, last, warpgroup_mma_wait(num_outstanding=0, deps=[dqt]), first, per_head, GROUP)
 
     # This consumer's K and V rows are dead (their last matmuls retired): they hold dK and dV on their way out.
-    if SPLIT:  # this consumer's dQ^T matmuls, which read every consumer's K rows, have retired
-        _partition_barrier()
-        mbarrier.arrive(shared_ds[4], count=1)
-    if FUSED:  # once the last dQ^T matmul that reads K (the dQ warpgroup's, or every consumer's) has retired
+    if FUSED:  # once the dQ warpgroup's last matmul, which reads every consumer's K rows, has retired
         mbarrier.wait(shared_ds[4], 0)
     k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
     v.store(dv.to(dtype))
@@ -893,15 +878,9 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
                    ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale, ds_smem,
                    ds_ready, ds_free, k_read, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
                    WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr = False, dq_share=None):
+                   STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr = False):
     first_key = n0 + CONSUMER * BLOCK_M
-    if dq_share is not None:  # the consumers split d: this one's rows of every consumer's K, as K^T's rows
-        k_all, dqt_smem, dqt_desc, dq_row = dq_share
-        ROWS: gl.constexpr = dqt_desc.block_type.shape[0]
-        k_share = (k_all.index(0).slice(CONSUMER * ROWS, ROWS, dim=1),
-                   k_all.index(1).slice(CONSUMER * ROWS, ROWS, dim=1))  # FUSED: two consumers
-        dq_share = (k_share, dqt_smem, dqt_desc, dq_row)
-    shared_ds = (ds_smem, ds_ready, ds_free, CONSUMER, k_read, dq_share)
+    shared_ds = (ds_smem, ds_ready, ds_free, CONSUMER, k_read)
     mbarrier.wait(res_ready, 0)
     if (WINDOW or DOCS) and GROUP == 1:
         # The program streams the query tiles any of its keys needs: this consumer gives back unread those before
@@ -989,59 +968,34 @@ def attn_bwd_dkdv_hopper(
     do_row = b * do_rows_b + hq * do_rows_h
     if FUSED:
         gl.static_assert(NUM_CONSUMERS == 2 and not WINDOW and not DOCS, "FUSED: two consumers, no masks but causal")
-        # Each dQ^T tile is D rows (the dQ warpgroup's) or, the consumers splitting d, each consumer's share.
-        DQ_ROWS: gl.constexpr = dqt_desc.block_type.shape[0]
-        SPLIT: gl.constexpr = DQ_ROWS < D
-        # Two dS^T buffers (each both consumers' halves) and two staging buffers of dQ^T (per consumer when split),
-        # so a tile's dQ matmul and reduction run while the next tile's dS^T is computed.
-        DS_BUFFERS: gl.constexpr = 3 if SPLIT else 2  # split: each tile's dQ^T runs a tile late
-        ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS * NUM_CONSUMERS, BLOCK_M, BLOCK_N], DS_LAYOUT)
-        ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFFERS, 1], mbarrier.MBarrierLayout())
-        ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFFERS, 1], mbarrier.MBarrierLayout())
+        # Two dS^T buffers (each both consumers' halves) and two staging buffers of dQ^T, so a tile's dQ matmul and
+        # reduction run while the consumers compute the next tile's dS^T.
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, BLOCK_M, BLOCK_N], DS_LAYOUT)
+        dqt_smem = gl.allocate_shared_memory(gl.float32, [2, D, BLOCK_N], dqt_desc.layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        readers: gl.constexpr = NUM_CONSUMERS if SPLIT else 1  # who reads a dS^T buffer and every K row
-        for i in gl.static_range(DS_BUFFERS):
+        for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
-            mbarrier.init(ds_free.index(i), count=readers)
-        mbarrier.init(k_read, count=readers)
+            mbarrier.init(ds_free.index(i), count=1)
+        mbarrier.init(k_read, count=1)
         fence_async_shared()
-        dq_row = (b * H + hq) * D
-        if SPLIT:
-            dqt_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_CONSUMERS, DQ_ROWS, BLOCK_N],
-                                              dqt_desc.layout)
-            dq_share = (k_smem, dqt_smem, dqt_desc, dq_row)
-            gl.warp_specialize([
-                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
-                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0,
-                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True, dq_share)),
-                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
-                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1,
-                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True, dq_share)),
-                (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready,
-                                 empty, k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h,
-                                 first, GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem,
-                                 delta_smem, lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
-            ], [4, 1], [CONSUMER_REGS, 24])
-        else:
-            dqt_smem = gl.allocate_shared_memory(gl.float32, [2, D, BLOCK_N], dqt_desc.layout)
-            gl.warp_specialize([
-                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
-                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0,
-                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
-                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
-                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1,
-                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
-                (_dq_partition, (k_smem, ds_smem, dqt_smem, ds_ready, ds_free, k_read, res_ready, dqt_desc, dq_row,
-                                 first, GROUP * n_tiles, BLOCK_N, GROUP, NUM_CONSUMERS)),
-                (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready,
-                                 empty, k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h,
-                                 first, GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem,
-                                 delta_smem, lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
-            ], [4, 4, 1], [CONSUMER_REGS, DQ_REGS, 24])
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
+            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1, CAUSAL, WINDOW, DOCS,
+                              BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
+            (_dq_partition, (k_smem, ds_smem, dqt_smem, ds_ready, ds_free, k_read, res_ready, dqt_desc,
+                             (b * H + hq) * D, first, GROUP * n_tiles, BLOCK_N, GROUP, NUM_CONSUMERS)),
+            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
+                             k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
+                             GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
+                             lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
+        ], [4, 4, 1], [CONSUMER_REGS, DQ_REGS, 24])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
@@ -1090,65 +1044,15 @@ def attn_bwd_dkdv_hopper(
 
 @gluon.jit
 def _share_ds(shared_ds, i, dst):
-    """Puts streamed tile i's dS^T rows of this consumer where the dQ^T matmuls read them, once they are done with
-    the buffer's tile before."""
-    ds_smem, ds_ready, ds_free, consumer, _, _ = shared_ds
-    BUFFERS: gl.constexpr = ds_ready.shape[0]
-    buf = i % BUFFERS
-    mbarrier.wait(ds_free.index(buf), ((i // BUFFERS) & 1) ^ 1)  # a fresh barrier passes the first wait
-    ds_smem.index(buf * (ds_smem.shape[0] // BUFFERS) + consumer).store(dst)
+    """Puts streamed tile i's dS^T rows of this consumer where _dq_partition reads them, once it is done with the
+    buffer's tile before (two buffers)."""
+    ds_smem, ds_ready, ds_free, consumer, _ = shared_ds
+    buf = i % 2
+    mbarrier.wait(ds_free.index(buf), ((i // 2) & 1) ^ 1)  # a fresh barrier passes the first wait
+    ds_smem.index(buf * 2 + consumer).store(dst)
     fence_async_shared()
     _partition_barrier()  # every warp's rows stored before the arrival
     mbarrier.arrive(ds_ready.index(buf), count=1)
-
-
-@gluon.jit
-def _issue_dq_share(shared_ds, i):
-    """Issues streamed tile i's dQ^T rows of this consumer's share of d over all the program's keys, K^T of those
-    rows times every consumer's dS^T, once each consumer's dS^T of the tile is in shared memory (split d)."""
-    ds_smem, ds_ready, _, _, _, dq_share = shared_ds
-    k_share, _, dqt_desc, _ = dq_share
-    ROWS: gl.constexpr = dqt_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = dqt_desc.block_type.shape[1]
-    BUFFERS: gl.constexpr = ds_ready.shape[0]
-    NUM_CONSUMERS: gl.constexpr = ds_smem.shape[0] // BUFFERS
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BLOCK_N, 16])
-    buf = i % BUFFERS
-    mbarrier.wait(ds_ready.index(buf), (i // BUFFERS) & 1)
-    dqt = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-    for c in gl.static_range(NUM_CONSUMERS):
-        dqt = warpgroup_mma(k_share[c].permute((1, 0)), ds_smem.index(buf * NUM_CONSUMERS + c), dqt,
-                            is_async=True)
-    return dqt
-
-
-@gluon.jit
-def _add_dq_share(shared_ds, i, dqt, first, per_head, GROUP: gl.constexpr):
-    """Gives tile i's dS^T buffer back and adds this consumer's retired dQ^T share to the accumulator with one TMA
-    reduction (as _dq_partition, at the share's rows)."""
-    _, _, ds_free, consumer, _, dq_share = shared_ds
-    _, dqt_smem, dqt_desc, dq_row = dq_share
-    ROWS: gl.constexpr = dqt_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = dqt_desc.block_type.shape[1]
-    NUM_CONSUMERS: gl.constexpr = 2  # FUSED
-    STAGED: gl.constexpr = dqt_smem.shape[0] // NUM_CONSUMERS
-    _partition_barrier()  # every warp's share of the matmul retired before the buffer is given back
-    mbarrier.arrive(ds_free.index(i % ds_free.shape[0]), count=1)
-    buf = i % STAGED
-    j = i
-    row = dq_row + consumer * ROWS
-    if GROUP > 1:  # the stream takes the group's query heads in turn
-        g = i // per_head
-        j = i - g * per_head
-        row += g * ROWS * NUM_CONSUMERS
-    staged = dqt_smem.index(buf * NUM_CONSUMERS + consumer)
-    tma.store_wait(pendings=STAGED - 1)  # this consumer's reduction STAGED tiles back has read this buffer
-    _partition_barrier()
-    staged.store(dqt)
-    fence_async_shared()
-    _partition_barrier()
-    _tma_add(dqt_desc, [row, (first + j) * BLOCK_N], staged)
 
 
 @gluon.jit

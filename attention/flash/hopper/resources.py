@@ -29,7 +29,7 @@ import torch
 
 from attention.flash.hopper.host import _shared_layout, _stats_layout
 from attention.flash.hopper.inputs import FUSED_HEAD_DIMS
-from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, fused_dq_rows, tiles_for
+from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
 
 H100_SMS = 132
 # Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as host.py launches them.
@@ -86,7 +86,7 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
     if kind == "fwd":
         meta["PERSISTENT"] = tiles.persistent
     if kind == "fused":
-        meta.update(fused_meta(tiles, d, torch.bfloat16))
+        meta.update(fused_meta(tiles, torch.bfloat16))
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}
@@ -99,8 +99,7 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
             signature[name] = _descriptor_type(rows[DESCRIPTOR_ROWS[kind][name]], d, name in ROW_STATS)
         elif name == "dqt_desc":  # the fused backward's dQ accumulator, None otherwise
             if kind == "fused":
-                rows = fused_dq_rows(d, tiles.consumers)
-                signature[name] = f"tensordesc<fp32[{rows}, {tiles.block_n}],{accumulator_layout(rows, tiles.block_n)!r}>"
+                signature[name] = f"tensordesc<fp32[{d}, {tiles.block_n}],{accumulator_layout(d, tiles.block_n)!r}>"
             else:
                 signature[name], meta[name] = "constexpr", None
         else:

@@ -61,18 +61,10 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[
     return HopperTiles(consumers=2, block_n=block_n, stages=3 if d == 64 else 4)
 
 
-# The fused backward's registers per thread with a dQ warpgroup (d 64): the second dK/dV consumer's and the dQ
-# warpgroup's. The producer warp keeps 24 and the first consumer gets what is left of an SM's 65536 (488 minus both,
-# per thread of the four warpgroups): 208, the most that compiles without spills.
+# The fused backward's registers per thread (it runs at d 64, inputs.FUSED_HEAD_DIMS): the second dK/dV consumer's
+# and the dQ warpgroup's. The producer warp keeps 24 and the first consumer gets what is left of an SM's 65536 (488
+# minus both, per thread of the four warpgroups): 208, the most that compiles without spills.
 FUSED_REGS = (208, 72)
-
-
-def fused_dq_rows(d: int, consumers: int) -> int:
-    """Rows of d in one dQ^T matmul of the fused backward: all d by a dQ warpgroup of its own at d 64; from d 128
-    each consumer's share, which still has the 64 rows a wgmma needs, so that no dQ warpgroup takes registers from
-    the consumers."""
-    share = d // consumers
-    return share if share >= 64 else d
 
 
 def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[str, HopperTiles]:

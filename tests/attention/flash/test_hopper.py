@@ -344,11 +344,10 @@ def test_backward_replays_in_a_cuda_graph(hopper_at_every_size, deterministic):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("h, h_kv, n", [(4, 4, 384), (4, 1, 512), (6, 2, 256), (2, 2, 128)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype, d):
-    """The fused backward (the dK/dV kernel adds dQ with TMA reductions; at d 128 each consumer its half of d): every
-    gradient element written, each within the deterministic backward's tolerance of float64, MHA and GQA."""
-    b, scale = 2, d ** -0.5
+def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype):
+    """The fused backward (the dK/dV kernel adds dQ with TMA reductions) at d 64, where it runs: every gradient
+    element written, each within the deterministic backward's tolerance of float64, MHA and GQA."""
+    b, d, scale = 2, 64, 0.125
     q = make_qkv(b, h, n, d, dtype, layout, seed=n + h)[0]
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=n + 7)[:2]
     do = make_qkv(b, h, n, d, dtype, layout, seed=n + 11)[0]
