@@ -9,6 +9,7 @@
     python bench_attention.py --preset variants              # GQA, windows, packed documents, softcap, all together
     python bench_attention.py --preset training              # the shapes models train with, against cuDNN and FA-2
     python bench_attention.py --preset training --deterministic  # flash's bitwise-reproducible backward instead
+    python bench_attention.py --preset training --rounds 3   # times: medians of 3 rounds, the backends taking turns
     python bench_attention.py --seq-lens 8192 --heads 32 --kv-heads 8 --window 1024 --doc-len 1024 --softcap 50
 
 For each point (batch, heads, seq, d_head, dtype, causal, and the variants: key/value heads, window, softcap, packed
@@ -17,7 +18,9 @@ times, TFLOP/s, memory kept for backward, forward/backward peak memory, the time
 and the error of the output and gradients against a float64 reference; for flash, which kernels ran each pass
 (Triton or Hopper) and why. Out of memory is a row, not a crash.
 --graph-timing adds the forward and forward+backward times of each call replayed from a CUDA graph: the GPU time
-alone, which is what a graphed training step pays. Short problems are bound by host time without it.
+alone, which is what a graphed training step pays. Short problems are bound by host time without it, which moves
+over seconds: --rounds N times every point N times, the backends taking turns on the same inputs, and keeps each
+time's median.
 Writes results.md, results.csv, results.json and PNG plots to --out (default a new runs/bench_attention/<time> per
 run; a folder that holds an earlier run's results is refused). The presets are sized for a GPU: on a CPU, a sweep
 estimated at hours starts with a warning naming a CPU-sized run like it. Ctrl-C or SIGTERM stops a sweep within
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +43,8 @@ import torch
 from attention import backend_names, list_attention
 from benchmarking import report
 from benchmarking.attention_estimate import rough, sweep_seconds
-from benchmarking.attention_measure import BWD_DIFFERENCE, measure_backend
+from benchmarking.attention_measure import (BWD_DIFFERENCE, TIME_COLUMNS, measure_backend, tflops_columns,
+                                            time_again)
 from benchmarking.attention_memory import explain_backend, explain_header
 from benchmarking.attention_point import DTYPES, AttentionInputs, AttentionPoint, make_inputs
 from benchmarking.attention_reference import RELATIVE_TOLERANCE, Reference, reference
@@ -91,7 +96,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                      dict(batch=1, heads=16, kv_heads=4, seq=16384, d_head=64, causal=True, window=1024,
                           doc_len=1024, softcap=50.0)]},
     # The attention of the shapes models train with: long sequences, the small and large presets' layers, the host
-    # cost alone (B1 H1 N128), head dim 128, and one without a mask; against SDPA's cuDNN and FlashAttention-2.
+    # cost alone (B1 H1 N128), head dim 128, Llama-style GQA, and one without a mask; against SDPA's cuDNN and
+    # FlashAttention-2.
     "training": {"dtypes": ["bf16"], "iters": 100, "backends": ["flash", "sdpa-cudnn", "sdpa-flash", "flex"],
                  "baseline": "sdpa-cudnn", "sized_for": "gpu",
                  "cpu_run": "--backends flash,sdpa,flex --baseline sdpa --heads 4 --seq-lens 128,256 --d-heads 64 "
@@ -105,6 +111,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                      dict(batch=8, heads=16, seq=2048, d_head=128, causal=True),
                      dict(batch=2, heads=16, seq=8192, d_head=128, causal=True),
                      dict(batch=1, heads=32, seq=32768, d_head=128, causal=True),
+                     dict(batch=2, heads=16, seq=2048, d_head=64, causal=True),
+                     dict(batch=8, heads=32, seq=512, d_head=128, causal=True),
+                     dict(batch=8, heads=16, kv_heads=4, seq=4096, d_head=128, causal=True),
+                     dict(batch=1, heads=64, kv_heads=8, seq=8192, d_head=128, causal=True),
                      dict(batch=2, heads=16, seq=8192, d_head=64, causal=False)]},
 }
 PRESET_NOTES = ("sized_for", "cpu_run")  # the keys of PRESETS that are not fields of the sweep
@@ -214,6 +224,9 @@ def build_parser() -> OneLineParser:
                                                          "(random lengths 1..2L-1, drawn per point)")
     p.add_argument("--iters", type=_positive_int, help="timed calls per pass (default: 100)")
     p.add_argument("--warmup", type=_non_negative_int, help="untimed calls before timing (default: 10)")
+    p.add_argument("--rounds", type=_positive_int, default=1,
+                   help="timing rounds per point, the backends taking turns on the same inputs; each time is the "
+                        "median of its rounds (default: 1)")
     p.add_argument("--seed", type=_non_negative_int, help="random seed of the inputs (default: 0)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--out", type=Path, help="output folder, new or empty: one that holds an earlier run's results "
@@ -261,6 +274,7 @@ class Config:
     wandb_project: str
     preset: Optional[str]
     graph_timing: bool = False
+    rounds: int = 1
     command: str = ""
     kv_heads: Optional[int] = None
     window: Optional[int] = None
@@ -319,7 +333,7 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         heads=merged["heads"], seq_lens=list(merged["seq_lens"]), d_heads=list(merged["d_heads"]),
         dtypes=list(merged["dtypes"]), causal=causal, iters=merged["iters"], warmup=merged["warmup"],
         seed=merged["seed"], device=device, out=out, plots=not args.no_plots, wandb=args.wandb,
-        wandb_project=args.wandb_project, preset=args.preset, graph_timing=args.graph_timing,
+        wandb_project=args.wandb_project, preset=args.preset, graph_timing=args.graph_timing, rounds=args.rounds,
         kv_heads=merged["kv_heads"], window=merged["window"], softcap=merged["softcap"], doc_len=merged["doc_len"],
         listed_points=merged["points"],
     )
@@ -344,7 +358,7 @@ def cpu_warning(cfg: Config, explain: bool = False) -> Optional[str]:
     available = {b.name for b in list_attention() if b.available}
     points = [explained_point(cfg)] if explain else cfg.points()
     seconds = sweep_seconds(points, [b for b in cfg.backends if b in available], cfg.warmup, cfg.iters,
-                            timed=not explain)
+                            timed=not explain, rounds=cfg.rounds)
     if seconds < CPU_WARN_S:
         return None
     about = f"roughly {rough(seconds)} on this CPU" + (
@@ -433,10 +447,45 @@ def run_point(point: AttentionPoint, cfg: Config, progress: Optional[Progress] =
         rows.append(row)
         if progress is not None:
             progress.update(1)
+    if time_passes and cfg.rounds > 1:
+        _more_rounds(rows, point, inputs, cfg)
     _add_ratios(rows, cfg.baseline)
     del inputs, ref
     free_memory()
     return rows, saved_by_backend
+
+
+def _more_rounds(rows: list[dict[str, Any]], point: AttentionPoint, inputs: AttentionInputs, cfg: Config) -> None:
+    """Rounds 2..cfg.rounds of the timings, the measured backends taking turns; each time becomes the median of its
+    rounds. A backend that fails in a later round keeps the rounds it finished, and says so in its note."""
+    timed = [row for row in rows if row["status"] == "ok"]
+    samples = [{key: [row[key]] for key in TIME_COLUMNS if row[key] is not None} for row in timed]
+    failed: set[int] = set()
+    for _ in range(cfg.rounds - 1):
+        for i, row in enumerate(timed):
+            if i in failed:
+                continue
+            try:
+                again = call_catching_oom(lambda: time_again(row["backend"], point, inputs, cfg.device,
+                                                             iters=cfg.iters, warmup=cfg.warmup,
+                                                             graph_timing=cfg.graph_timing))
+                problem = again.message if again.oom else None
+            except Exception as exc:  # noqa: BLE001 -- the rounds it finished still stand
+                problem = f"{type(exc).__name__}: {short_message(exc)}"
+            for t in inputs.leaves():
+                t.grad = None
+            if problem is not None:
+                failed.add(i)
+                done = len(samples[i].get("fwd_ms", [None]))
+                row["note"] = "; ".join(filter(None, [row["note"], f"timed in {done} rounds: {problem}"]))
+                continue
+            for key, values in samples[i].items():
+                if again.value[key] is not None:
+                    values.append(again.value[key])
+    for row, columns in zip(timed, samples):
+        row.update({key: statistics.median(values) for key, values in columns.items()})
+        row.update(tflops_columns(row, point, inputs))
+    free_memory()
 
 
 def _stderr(line: str) -> None:
@@ -528,8 +577,8 @@ def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config, stopped: Option
     shape = "points as listed" if cfg.listed_points is not None else f"batch {cfg.batch}, heads {cfg.heads}"
     blocks = [
         f"Command: `{cfg.command}`",
-        f"Device {cfg.device}; {shape}; median of ~{cfg.iters} calls after "
-        f"{cfg.warmup} warm-up calls per pass; ratios are time / time of `{cfg.baseline}` at the same point "
+        f"Device {cfg.device}; {shape}; median of ~{cfg.iters} calls after {cfg.warmup} warm-up calls per pass"
+        f"{_rounds_words(cfg.rounds)}; ratios are time / time of `{cfg.baseline}` at the same point "
         "(below 1 = faster). TFLOP/s count 4·B·H·N²·D per forward (half when causal; with a window or documents, "
         "4·B·H·D per score computed), 2.5x that for backward. "
         "Errors: max |backend - float64 reference| over sampled query rows, with `check` = FAIL when the "
@@ -544,6 +593,10 @@ def markdown_blocks(rows: Sequence[dict[str, Any]], cfg: Config, stopped: Option
         blocks += _sweep_blocks(rows, cfg, memory_key, memory_title)
     blocks += _summary_blocks(rows)
     return blocks
+
+
+def _rounds_words(rounds: int) -> str:
+    return "" if rounds == 1 else f", then the median of {rounds} such rounds, the backends taking turns"
 
 
 def _sweep_blocks(rows: Sequence[dict[str, Any]], cfg: Config, memory_key: str, memory_title: str) -> list[str]:
@@ -731,6 +784,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[BenchResult]:
     if args.decode and (args.softcap is not None or args.doc_len is not None):
         parser.error("--decode times GQA (--kv-heads) and windows (--window); --softcap and --doc-len do not "
                      "apply to it")
+    if args.rounds > 1 and (args.decode or args.explain_memory):
+        parser.error(f"--rounds {args.rounds}: {'--decode' if args.decode else '--explain-memory'} times each "
+                     "point once")
     if not args.explain_memory and (problem := earlier_results(cfg.out)):  # --explain-memory writes no files
         parser.error(problem)
     cfg.command = shlex.join(["python", "bench_attention.py", *(sys.argv[1:] if argv is None else argv)])

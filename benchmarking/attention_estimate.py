@@ -32,11 +32,11 @@ def call_seconds(backend: str, point: AttentionPoint) -> tuple[float, float]:
 
 
 def sweep_seconds(points: Sequence[AttentionPoint], backends: Sequence[str], warmup: int, iters: int,
-                  timed: bool = True) -> float:
+                  timed: bool = True, rounds: int = 1) -> float:
     """Seconds the sweep would take on the CPU. Each backend at each point runs a warm-up forward+backward, the
-    measured one, and when timed the three timed passes (forward, forward+backward, backward), each `warmup` +
-    `iters` calls: about 2 * (warmup + iters + 2) forwards and as many backwards."""
-    calls = 2 * (warmup + iters + 2) if timed else 2
+    measured one, and when timed `rounds` times the three timed passes (forward, forward+backward, backward), each
+    `warmup` + `iters` calls: about 2 * (rounds * (warmup + iters) + 2) forwards and as many backwards."""
+    calls = 2 * (rounds * (warmup + iters) + 2) if timed else 2
     total = 0.0
     for point in points:
         for backend in backends:

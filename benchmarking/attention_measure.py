@@ -4,7 +4,8 @@ Order per backend, on the shared inputs of the point:
 1. warm-up forward+backward (torch.compile, Triton autotuning and allocator growth happen here, untimed);
 2. a measured pass: memory before/after/peak of the forward, peak of the backward, the tensors autograd
    saved, and the output and gradients compared with the float64 reference (`attention_reference`);
-3. timings (`benchmarking.timing.time_ms`, median over about `iters` calls):
+3. timings (`benchmarking.timing.time_ms`, median over about `iters` calls; `time_again` repeats them for
+   further rounds, which bench_attention.py's --rounds takes turns over):
    - fwd: a training forward (inputs require grad, so the graph and saved tensors are built each call);
    - fwdbwd: forward then backward from the same upstream gradient, grads reset to None before each call;
    - bwd: backward alone, timed by replaying one forward's graph with retain_graph=True (grads reset before
@@ -34,6 +35,7 @@ from benchmarking.oom import OOM_STATUS, call_catching_oom, free_memory
 from benchmarking.timing import (allocated_bytes, captured, peak_allocated_bytes, reset_peak_memory, tflops,
                                  time_ms, to_mib)
 
+TIME_COLUMNS = ("fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_graph_ms", "fwdbwd_graph_ms")
 BWD_RETAIN_GRAPH = "retain_graph"
 BWD_DIFFERENCE = "fwdbwd-fwd"
 
@@ -168,6 +170,36 @@ def kernel_columns(name: str, inputs: AttentionInputs, point: AttentionPoint, gr
     return {"fwd_kernel": choice.forward, "bwd_kernel": choice.backward, "kernel_reason": reason}
 
 
+def _attend(name: str, point: AttentionPoint, inputs: AttentionInputs) -> Callable:
+    """attend(q, k, v): backend `name` on the point's mask and variants."""
+    backend = get_attention(name)
+    variant = variant_kwargs(point, inputs)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return backend(q, k, v, causal=point.causal, **variant)
+
+    return attend
+
+
+def tflops_columns(row: dict[str, object], point: AttentionPoint, inputs: AttentionInputs) -> dict[str, object]:
+    """fwd_tflops, bwd_tflops and fwdbwd_tflops of a row's times."""
+    return {f"{p}_tflops": tflops(point.flop(p, inputs.pairs), row.get(f"{p}_ms")) for p in ("fwd", "bwd", "fwdbwd")}
+
+
+def time_again(name: str, point: AttentionPoint, inputs: AttentionInputs, device: torch.device | str, *,
+               iters: int, warmup: int, graph_timing: bool = False) -> dict[str, object]:
+    """Another round of measure_backend's timings of a backend it measured at `point`: the TIME_COLUMNS it
+    fills. Raises what the backend raises."""
+    device = torch.device(device)
+    train = run_mode(name, inputs, point)[0] == "train"
+    attend = _attend(name, point, inputs)
+    row = _times(attend, inputs, point, device, iters, warmup, train)
+    if graph_timing and train:
+        row.update(_graph_times(attend, inputs, device, iters, warmup)[0])
+        _clear_grads(inputs)
+    return {key: row.get(key) for key in TIME_COLUMNS}
+
+
 def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, ref: Optional[Reference],
                     device: torch.device | str, *, iters: int, warmup: int, time_passes: bool = True,
                     graph_timing: bool = False) -> Measurement:
@@ -180,11 +212,7 @@ def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, r
     if mode is None:
         return Measurement({"status": "unsupported", "note": reason}, None)
     train = mode == "train"
-    backend = get_attention(name)
-    variant = variant_kwargs(point, inputs)
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return backend(q, k, v, causal=point.causal, **variant)
+    attend = _attend(name, point, inputs)
 
     # Warm-up: compilation and autotuning must not land in the measured memory or times.
     if train:
@@ -206,8 +234,7 @@ def measure_backend(name: str, point: AttentionPoint, inputs: AttentionInputs, r
             row.update(status=OOM_STATUS, note=f"while timing: {timed.message}")
             return Measurement(row, measured.saved)
         row.update(timed.value)
-        for pass_name in ("fwd", "bwd", "fwdbwd"):
-            row[f"{pass_name}_tflops"] = tflops(point.flop(pass_name, inputs.pairs), row.get(f"{pass_name}_ms"))
+        row.update(tflops_columns(row, point, inputs))
         if graph_timing and train:
             graphed = call_catching_oom(lambda: _graph_times(attend, inputs, device, iters, warmup))
             _clear_grads(inputs)

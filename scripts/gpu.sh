@@ -16,7 +16,8 @@
 #                  n1024        B4 H20 N1024 D64 causal, --graph-timing     (the large model's attention)
 #                  variants     --preset variants --graph-timing (GQA, window, documents, softcap, all four;
 #                               against flex, sdpa, cuDNN)
-#                  training     --preset training --graph-timing (the shapes models train with)
+#                  training     --preset training --graph-timing --rounds 3 (the shapes models train with, against
+#                               cuDNN and FlashAttention-2; medians of 3 rounds taking turns)
 #   train-steps  bench_model.py --mode train-step, bf16, compiled, one CUDA graph a step, flash; no clipping, so the
 #                optimizer steps during the backward: ours with --optimizer adamw against Hugging Face Llama, then
 #                ours with --optimizer adamw-bf16. Parts: small (batch 16, context 1024), large (batch 4, context
@@ -153,8 +154,8 @@ step_attention() {
                        --causal yes "${PEERS[@]}" --graph-timing --out "$dir" ;;
             variants) run "$dir.log" 300 "$PY" bench_attention.py --preset variants --graph-timing --no-plots \
                           --out "$dir" ;;
-            training) run "$dir.log" 450 "$PY" bench_attention.py --preset training --graph-timing --no-plots \
-                          --out "$dir" ;;
+            training) run "$dir.log" 600 "$PY" bench_attention.py --preset training --graph-timing --no-plots \
+                          --backends flash,sdpa-cudnn,sdpa-flash --iters 30 --rounds 3 --out "$dir" ;;
             *) echo "unknown part attention:$part (leaderboard, n4096, n8192, n1024, variants, training)"; STATUS=1 ;;
         esac
     done

@@ -205,6 +205,8 @@ def test_presets_and_overrides():
     (["--preset", "variants", "--seq-lens", "64"], "--seq-lens: --preset variants lists its own points"),
     (["--preset", "training", "--window", "64"], "--window: --preset training lists its own points"),
     (["--decode", "1", "--softcap", "5"], "--decode times GQA (--kv-heads) and windows (--window); --softcap"),
+    (["--rounds", "0"], "argument --rounds: sizes must be positive, got 0"),
+    (["--decode", "1", "--rounds", "3"], "--rounds 3: --decode times each point once"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -257,6 +259,31 @@ def test_deterministic_runs_the_sweep_under_torchs_switch_and_restores_it(tmp_pa
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
+def test_rounds_take_turns_and_keep_each_times_median(tmp_path, monkeypatch):
+    """--rounds 3: after each point's first round, every measured backend is timed twice more, taking turns on the
+    same inputs; each time column is the median of its three rounds, and the ratios and TFLOP/s follow it."""
+    calls = []
+    real = bench_attention.time_again
+
+    def recorded(name, point, inputs, device, **kwargs):
+        calls.append((name, point.seq))
+        times = real(name, point, inputs, device, **kwargs)
+        return {key: None if t is None else 1000.0 * len(calls) for key, t in times.items()}
+
+    monkeypatch.setattr(bench_attention, "time_again", recorded)
+    result = bench_attention.main(["--backends", "naive,sdpa", "--baseline", "sdpa", "--seq-lens", "16,32",
+                                   "--d-heads", "16", "--heads", "2", "--iters", "2", "--warmup", "0", "--no-plots",
+                                   "--device", "cpu", "--rounds", "3", "--out", str(tmp_path)])
+    assert calls == [("naive", 16), ("sdpa", 16)] * 2 + [("naive", 32), ("sdpa", 32)] * 2
+    for row in result.rows:
+        later = [1000.0 * i for i, call in enumerate(calls, 1) if call == (row["backend"], row["seq"])]
+        assert row["fwd_ms"] == later[0] and row["fwdbwd_ms"] == later[0]  # the first round's was the smallest
+        assert row["fwd_tflops"] == pytest.approx(4 * 2 * row["seq"] ** 2 / 2 * 16 / (later[0] * 1e-3) / 1e12,
+                                                  rel=0.1)
+    assert [r["fwdbwd_ratio"] for r in result.rows] == pytest.approx([1000 / 2000, 1, 5000 / 6000, 1])
+    assert "then the median of 3 such rounds, the backends taking turns" in (tmp_path / "results.md").read_text()
+
+
 def test_listed_point_presets():
     parser = bench_attention.build_parser()
     variants = bench_attention.resolve_config(parser.parse_args(["--preset", "variants", "--dtype", "fp16"]), parser)
@@ -269,8 +296,10 @@ def test_listed_point_presets():
         "b1 h16 seq=16384 d=64 fp16 causal softcap=50",
         "b1 h16 seq=16384 d=64 fp16 causal kv4 window=1024 softcap=50 docs=1024"]
     training = bench_attention.resolve_config(parser.parse_args(["--preset", "training"]), parser)
-    assert training.baseline == "sdpa-cudnn" and len(training.points()) == 9
+    assert training.baseline == "sdpa-cudnn" and len(training.points()) == 13
     assert [p.causal for p in training.points()].count(False) == 1
+    assert [p.label() for p in training.points() if p.kv_heads] == [
+        "b8 h16 seq=4096 d=128 bf16 causal kv4", "b1 h64 seq=8192 d=128 bf16 causal kv8"]
 
 
 @pytest.mark.slow  # two sweeps, flash's in the interpreter
