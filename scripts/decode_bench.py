@@ -8,18 +8,25 @@ and enable_gqa for GQA; a kernel that refuses a point shows "-".
     python scripts/decode_bench.py                               # B1/B4/B32 x three head shapes x 2k/16k/64k
     python scripts/decode_bench.py --batches 1,4 --caches 16384 --head-shapes 32x8x128,8x2x256
     python scripts/decode_bench.py --sweep                       # tiles and split counts at the same points
+    python scripts/decode_bench.py --tiles 64x4x3 --head-shapes 16x16x64   # the default tiles against others
 
 --sweep times flash's decode replayed from a CUDA graph at every point over a grid of tiles (keys per tile, warps,
 pipeline stages) and split counts, and prints each point's default choice (attention/flash/decode/tiles.py) against
 the fastest setting and cuDNN, then per head dim how near each tile shape comes to the fastest with its best split
 count.
+
+--tiles times the default choice against the given tiles (keys per tile x warps x pipeline stages), each at the
+default split count, replayed from a CUDA graph in ROUNDS rounds taking turns, with cuDNN: medians, and per tile shape
+its geometric mean over the points.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -33,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from attention import get_attention, graph_replay  # noqa: E402
 from attention.flash.decode import host as decode_host  # noqa: E402
-from attention.flash.decode.tiles import DecodeTiles  # noqa: E402
+from attention.flash.decode.tiles import DecodeTiles, tiles_for  # noqa: E402
 from benchmarking.decode import copy_bandwidth  # noqa: E402
 from benchmarking.timing import captured, time_ms  # noqa: E402
 
@@ -47,6 +54,7 @@ HOST_CALLS = 200  # eager calls timed on the host alone (fewer than the launch q
 SWEEP_TILES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
                (128, 4, 4)]  # (keys per tile, warps, pipeline stages)
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROUNDS = 3  # --tiles: rounds taking turns
 
 
 def _ints(text: str) -> list[int]:
@@ -57,6 +65,13 @@ def _head_shapes(text: str) -> list[tuple[int, int, int]]:
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
     if any(len(shape) != 3 or min(shape) < 1 or shape[0] % shape[1] for shape in shapes):
         raise argparse.ArgumentTypeError(f"{text!r}: each shape is HxKVxD with H a multiple of KV, e.g. 32x8x128")
+    return shapes
+
+
+def _tile_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in text.split(",")]
+    if any(len(shape) != 3 or min(shape) < 1 for shape in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: each is KEYSxWARPSxSTAGES, e.g. 64x4x3")
     return shapes
 
 
@@ -195,6 +210,49 @@ def sweep(batches: list[int], head_shapes: list[tuple[int, int, int]], caches: l
         print(f"d {d} {label}: {geo:.3f}x the fastest (geometric mean), worst {max(ratios):.3f}x")
 
 
+def compare_tiles(batches: list[int], head_shapes: list[tuple[int, int, int]], caches: list[int],
+                  shapes: list[tuple[int, int, int]], device: torch.device) -> None:
+    """Prints, per point, the default choice's µs replayed from a CUDA graph against each of `shapes` at the default
+    split count, and cuDNN's (medians of ROUNDS rounds taking turns); then each shape's geometric mean over the
+    points, as its time over the default's."""
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; flash decode replayed from a CUDA "
+          f"graph, bf16, one new token, µs, medians of {ROUNDS} rounds taking turns; tiles = keys x warps x stages, "
+          "each at the default split count")
+    names = ["default", *(f"{n}x{w}x{s}" for n, w, s in shapes), "cudnn"]
+    print(f"{'B':>3} {'H':>3} {'KV':>3} {'D':>4} {'cache':>6} | " + " | ".join(f"{n:>9}" for n in names))
+    over_default: dict[str, list[float]] = {n: [] for n in names[1:-1]}
+    for batch, (heads, kv_heads, d), cache in itertools.product(batches, head_shapes, caches):
+        gen = torch.Generator(device).manual_seed(0)
+        q = torch.randn(batch, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(batch, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        cache_len = torch.full((batch,), cache, device=device)
+        default = decode_host.decode_triton(q, k, v, cache_len, d ** -0.5)
+        per_sm = tiles_for(triton.next_power_of_2(d)).programs_per_sm  # the default's: so is the split count
+        calls = {"default": lambda: decode_host.decode_triton(q, k, v, cache_len, d ** -0.5)}
+        for name, (n, w, s) in zip(names[1:-1], shapes):
+            calls[name] = functools.partial(decode_host.decode_triton, q, k, v, cache_len, d ** -0.5,
+                                            tiles=DecodeTiles(n, w, s, per_sm))
+            torch.testing.assert_close(calls[name]().float(), default.float(), atol=2e-2, rtol=2e-2)
+        cudnn = sdpa_call(SDPA_KERNELS["cudnn"], q, k, v)
+        if cudnn is not None:
+            calls["cudnn"] = cudnn
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(ROUNDS):
+            for name, fn in calls.items():
+                times[name].append(graph_us(fn, device))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        for name in over_default:
+            over_default[name].append(med[name] / med["default"])
+        print(f"{batch:>3} {heads:>3} {kv_heads:>3} {d:>4} {cache:>6} | "
+              + " | ".join(f"{med[n]:>9.1f}" if n in med else f"{'-':>9}" for n in names), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    for name, ratios in over_default.items():
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"{name}: {geo:.3f}x the default's time (geometric mean), {min(ratios):.3f}x-{max(ratios):.3f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=_ints, default=[1, 4, 32])
@@ -202,12 +260,19 @@ def main() -> None:
     p.add_argument("--head-shapes", type=_head_shapes, default=HEAD_SHAPES, metavar="HxKVxD,...",
                    help="query heads x cache heads x head dim, e.g. 32x8x128")
     p.add_argument("--sweep", action="store_true", help="time flash's tiles and split counts at the points instead")
+    p.add_argument("--tiles", type=_tile_shapes, metavar="KEYSxWARPSxSTAGES,...",
+                   help="time the default choice against these tiles at the points instead, e.g. 64x4x3")
     args = p.parse_args()
+    if args.sweep and args.tiles:
+        p.error("--sweep and --tiles: one at a time")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     device = torch.device("cuda")
     if args.sweep:
         sweep(args.batches, args.head_shapes, args.caches, device)
+        return
+    if args.tiles:
+        compare_tiles(args.batches, args.head_shapes, args.caches, args.tiles, device)
         return
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; µs eager / µs graph-replayed; "
           "ratio = cuDNN / flash; GB/s of K+V read by flash (graph) and by a copy of that size; host = µs of host "

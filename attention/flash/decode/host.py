@@ -201,11 +201,12 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
     block_m = max(16, min(MAX_BLOCK_M, _block_d(group * n_new)))  # a power of two >= 16: tensor-core dots
     row_blocks = _cdiv(group * n_new, block_m)
     tiles = tiles or _tiles(q)
+    keys = max_len if window is None else min(max_len, window + n_new - 1)  # the most a row block can see
     if num_splits is None:
-        keys = max_len if window is None else min(max_len, window + n_new - 1)
         num_splits = default_num_splits(batch * kv_heads * row_blocks, keys, q.device, tiles)
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    tiles = tiles.for_chunks(keys, num_splits)
     lens, stride_lb, stride_lh, fixed_len, lens_tensor = _length_args(cache_len, q, q4)
     o = empty_like(q)
     o4 = as_bhsd(o)

@@ -4,6 +4,7 @@ counts that do and do not divide the lengths."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -159,14 +160,41 @@ def test_no_chunk_is_empty_at_full_capacity(monkeypatch, blocks, keys):
 
 
 def test_tiles_by_head_dim_and_element_size():
-    """Every head dim flash decodes has tiles; fp32 halves the keys of a tile from d 128 on (shared memory)."""
+    """Every head dim flash decodes has tiles; fp32 halves the keys of a tile from d 128 on and takes no deeper
+    pipeline for long chunks (shared memory)."""
     assert tiles.tiles_for(16) == tiles.tiles_for(32) == tiles.tiles_for(64)
     assert tiles.tiles_for(256).block_n == 64
     assert tiles.tiles_for(128, 4).block_n == 64 and tiles.tiles_for(256, 4).block_n == 32
-    assert tiles.tiles_for(64, 4) == tiles.tiles_for(64)
+    assert tiles.tiles_for(64, 4) == dataclasses.replace(tiles.tiles_for(64), long_chunk_stages=None)
     assert tiles.tiles_for(128, 2, interpreting=True) == tiles.INTERPRET_TILES
     with pytest.raises(ValueError, match="up to a head dim of 256"):
         tiles.tiles_for(512)
+
+
+def test_long_chunks_take_a_deeper_pipeline_at_d64():
+    """At d 64 (16-bit caches) a chunk of more than LONG_CHUNK_TILES key tiles streams in four stages; other tiles
+    keep theirs at any length."""
+    d64 = tiles.tiles_for(64)
+    longest_short = d64.block_n * tiles.LONG_CHUNK_TILES * 4
+    assert d64.for_chunks(longest_short, 4) == d64
+    assert d64.for_chunks(longest_short + 1, 4) == dataclasses.replace(d64, num_stages=4, long_chunk_stages=None)
+    assert d64.for_chunks(65536, 128).num_stages == 3  # 8 tiles a chunk
+    for t in (tiles.tiles_for(128), tiles.tiles_for(256), tiles.tiles_for(64, 4), tiles.INTERPRET_TILES):
+        assert t.for_chunks(1 << 20, 1) == t
+
+
+def test_the_launch_takes_the_tiles_of_its_chunks(monkeypatch):
+    """The partial kernel's tiles follow its chunks (DecodeTiles.for_chunks): the keys a row block can see (the
+    cache's capacity, or the window's reach) over the split count."""
+    seen = []
+    real = tiles.DecodeTiles.for_chunks
+    monkeypatch.setattr(tiles.DecodeTiles, "for_chunks",
+                        lambda self, keys, splits: seen.append((keys, splits)) or real(self, keys, splits))
+    host._plans.clear()
+    q, k, v, cache_len = inputs(2, 4, 700, kv_heads=2, d=16, seed=31)
+    decode_triton(q, k, v, cache_len, 0.3, num_splits=5)
+    decode_triton(q, k, v, cache_len, 0.3, num_splits=3, window=100)
+    assert seen == [(705, 5), (100, 3)]
 
 
 def test_given_tiles_run_and_get_a_plan_of_their_own():
