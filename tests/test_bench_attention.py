@@ -234,11 +234,13 @@ def test_list_backends(capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_timing_adds_replayed_times(tmp_path):
+    """Replayed times in every round (--rounds 2: the second round captures and replays again)."""
     result = bench_attention.main(["--backends", "flash,sdpa", "--baseline", "sdpa", "--seq-lens", "256",
                                    "--d-heads", "64", "--heads", "4", "--batch", "2", "--iters", "10",
-                                   "--warmup", "2", "--no-plots", "--graph-timing", "--out", str(tmp_path)])
+                                   "--warmup", "2", "--no-plots", "--graph-timing", "--rounds", "2",
+                                   "--out", str(tmp_path)])
     for row in result.rows:
-        assert row["status"] == "ok" and row["check"] == "ok", row
+        assert row["status"] == "ok" and row["check"] == "ok" and row["note"] is None, row
         assert 0 < row["fwd_graph_ms"] < row["fwdbwd_graph_ms"]
         assert row["fwdbwd_graph_ratio"] == pytest.approx(
             row["fwdbwd_graph_ms"] / result.rows[1]["fwdbwd_graph_ms"])
@@ -368,7 +370,7 @@ def test_a_sweep_that_cannot_run_here_is_refused(capsys):
 def test_piped_progress_is_plain_lines(tmp_path):
     """A log file gets lines, never the carriage returns of a bar."""
     argv = ["--backends", "naive,sdpa", "--seq-lens", "16,32", "--d-heads", "16", "--heads", "1", "--iters", "1",
-            "--warmup", "0", "--no-plots", "--out", str(tmp_path / "out")]
+            "--warmup", "0", "--dtype", "fp32", "--no-plots", "--out", str(tmp_path / "out")]
     done = subprocess.run([sys.executable, "bench_attention.py", *argv], cwd=REPO, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()
     assert b"\r" not in done.stdout and b"\r" not in done.stderr
