@@ -39,7 +39,7 @@ def times_ms(attend, q, k, v, do) -> tuple[float, float]:
 
 def main() -> None:
     # the Hopper kernels at any size, as graphed calls run them
-    hopper_inputs.MIN_SCORES = {p: dict.fromkeys(hopper_inputs.HEAD_DIMS, 0) for p in ("forward", "backward")}
+    hopper_inputs.MIN_SCORES = hopper_inputs.min_scores_at_every_head_dim(0, 0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms forward+backward / backward alone; "
           "ratio = cuDNN's time / flash's")
     for b, h, kv, n, d, causal in SHAPES:

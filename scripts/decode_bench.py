@@ -112,12 +112,16 @@ def sdpa_call(kernel: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return run
 
 
-def point(batch: int, heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> dict:
+def step_inputs(batch: int, heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> tuple:
+    """q (batch, heads, 1, d), a full bf16 cache (batch, kv_heads, cache, d) of K and V, and its lengths."""
     gen = torch.Generator(device).manual_seed(0)
     q = torch.randn(batch, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
     k = torch.randn(batch, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn_like(k)
-    cache_len = torch.full((batch,), cache, device=device)
+    return q, k, torch.randn_like(k), torch.full((batch,), cache, device=device)
+
+
+def point(batch: int, heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> dict:
+    q, k, v, cache_len = step_inputs(batch, heads, kv_heads, d, cache, device)
     decode = get_attention("flash").decode
     row = {"flash": eager_and_graph_us(lambda: decode(q, k, v, cache_len), device),
            "host": host_us(lambda: decode(q, k, v, cache_len))}
@@ -151,11 +155,7 @@ def graph_us(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
 def sweep_point(batch: int, heads: int, kv_heads: int, d: int, cache: int, device: torch.device) -> dict:
     """One point over SWEEP_TILES x SWEEP_SPLITS, replayed from a CUDA graph: µs by (tiles, splits), with the default
     choice's µs and cuDNN's. Every setting's output is held to the default's."""
-    gen = torch.Generator(device).manual_seed(0)
-    q = torch.randn(batch, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(batch, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn_like(k)
-    cache_len = torch.full((batch,), cache, device=device)
+    q, k, v, cache_len = step_inputs(batch, heads, kv_heads, d, cache, device)
     decode = get_attention("flash").decode
     expected = decode(q, k, v, cache_len).float()
     cudnn = sdpa_call(SDPA_KERNELS["cudnn"], q, k, v)
@@ -222,11 +222,7 @@ def compare_tiles(batches: list[int], head_shapes: list[tuple[int, int, int]], c
     print(f"{'B':>3} {'H':>3} {'KV':>3} {'D':>4} {'cache':>6} | " + " | ".join(f"{n:>9}" for n in names))
     over_default: dict[str, list[float]] = {n: [] for n in names[1:-1]}
     for batch, (heads, kv_heads, d), cache in itertools.product(batches, head_shapes, caches):
-        gen = torch.Generator(device).manual_seed(0)
-        q = torch.randn(batch, heads, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(batch, kv_heads, cache, d, device=device, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn_like(k)
-        cache_len = torch.full((batch,), cache, device=device)
+        q, k, v, cache_len = step_inputs(batch, heads, kv_heads, d, cache, device)
         default = decode_host.decode_triton(q, k, v, cache_len, d ** -0.5)
         per_sm = tiles_for(triton.next_power_of_2(d)).programs_per_sm  # the default's: so is the split count
         calls = {"default": lambda: decode_host.decode_triton(q, k, v, cache_len, d ** -0.5)}

@@ -35,8 +35,7 @@ CONFIGS = ("TT", "HT", "TH", "HH")
 def use(config: str) -> None:
     """Eager calls run each pass on the kernels `config` names, from their first call on."""
     bound = {"T": 2**62, "H": 0}
-    hopper_inputs.MIN_SCORES = {"forward": dict.fromkeys(hopper_inputs.HEAD_DIMS, bound[config[0]]),
-                                "backward": dict.fromkeys(hopper_inputs.HEAD_DIMS, bound[config[1]])}
+    hopper_inputs.MIN_SCORES = hopper_inputs.min_scores_at_every_head_dim(bound[config[0]], bound[config[1]])
     dispatch._plans.clear()  # plans keep the kernels their first call chose
 
 

@@ -35,7 +35,7 @@ def hopper_at_every_size(monkeypatch):
     """Eager calls take flash's Hopper kernels at any size, where they take the input at all."""
     from attention.flash.hopper import inputs
 
-    monkeypatch.setattr(inputs, "MIN_SCORES", {p: dict.fromkeys(inputs.HEAD_DIMS, 0) for p in ("forward", "backward")})
+    monkeypatch.setattr(inputs, "MIN_SCORES", inputs.min_scores_at_every_head_dim(0, 0))
 
 
 def dtype_id(dtype: torch.dtype) -> str:

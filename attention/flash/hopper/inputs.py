@@ -24,6 +24,12 @@ MIN_SCORES = {"forward": {64: 2**28, 128: 2**26}, "backward": {64: 2**27, 128: 2
 REPLAYED_MIN_SCORES = {"forward": {64: 2**27, 128: 0}, "backward": {64: 0, 128: 0}}
 
 
+def min_scores_at_every_head_dim(forward: int, backward: int) -> dict[str, dict[int, int]]:
+    """A MIN_SCORES table with one bound per pass at every head dim: for measurements and tests that set where eager
+    calls take the Hopper kernels."""
+    return {"forward": dict.fromkeys(HEAD_DIMS, forward), "backward": dict.fromkeys(HEAD_DIMS, backward)}
+
+
 @functools.cache
 def gluon_problem() -> Optional[str]:
     try:

@@ -61,6 +61,12 @@ def test_min_scores_depend_on_pass_head_dim_and_replay():
     assert bounds(64, True) == [2**27, 0] and bounds(128, True) == [0, 0]
 
 
+def test_a_table_of_one_bound_per_pass_covers_every_head_dim(monkeypatch):
+    monkeypatch.setattr(hopper_inputs, "MIN_SCORES", hopper_inputs.min_scores_at_every_head_dim(5, 7))
+    for d in hopper_inputs.HEAD_DIMS:
+        assert [hopper_inputs.min_scores(d, p, replayed=False) for p in ("forward", "backward")] == [5, 7]
+
+
 def test_a_window_counts_the_scores_of_the_tiles_it_visits():
     assert hopper_inputs.scores(2, 1024, True) == 2 * 1024 * 1024 // 2
     assert hopper_inputs.scores(2, 1024, True, window=100) == 2 * 1024 * (100 + 128)  # its band and a tile
