@@ -1,6 +1,6 @@
-"""flash's two backward modes against SDPA's cuDNN on a Hopper GPU: the default (fused at d 64: the dK/dV kernel adds
-dQ with TMA reductions) and the deterministic one (dK/dV and dQ kernels side by side), forward+backward and backward
-alone, bf16, the Hopper kernels at every size, triton.testing.do_bench medians, every backend on the same inputs.
+"""flash's two backward modes against SDPA's cuDNN on a Hopper GPU: the default (fused: the dK/dV kernel adds dQ with
+TMA reductions) and the deterministic one (dK/dV and dQ kernels side by side), forward+backward and backward alone,
+bf16, the Hopper kernels at every size, triton.testing.do_bench medians, every backend on the same inputs.
 
     python scripts/backward_modes_bench.py
 """
@@ -23,7 +23,9 @@ from attention.flash.hopper import inputs as hopper_inputs  # noqa: E402
 # (batch, heads, kv heads, seq, d_head, causal)
 SHAPES = [(1, 16, 16, 16384, 64, True), (1, 16, 16, 4096, 64, True), (16, 12, 12, 1024, 64, True),
           (4, 20, 20, 1024, 64, True), (2, 16, 16, 8192, 64, False), (8, 16, 4, 4096, 64, True),
-          (2, 16, 16, 8192, 128, True), (8, 16, 16, 2048, 128, True)]
+          (2, 16, 16, 8192, 128, True), (8, 16, 16, 2048, 128, True), (4, 16, 16, 2048, 128, True),
+          (2, 16, 16, 8192, 128, False), (8, 16, 4, 4096, 128, True), (1, 64, 8, 8192, 128, True),
+          (1, 32, 32, 32768, 128, True)]
 
 
 def times_ms(attend, q, k, v, do) -> tuple[float, float]:

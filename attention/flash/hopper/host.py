@@ -13,7 +13,7 @@ import torch
 
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of, sm_count
 from attention.flash.hopper.inputs import rows_index
-from attention.flash.hopper.tiles import FUSED_REGS, HopperTiles, backward_tiles_for, tiles_for
+from attention.flash.hopper.tiles import FUSED_REGS, HopperTiles, backward_tiles_for, fused_dq_cols, tiles_for
 from attention.flash.triton.host import Launch, delta_and_launch, dq_from_accumulator, plannable, work_order
 
 
@@ -75,10 +75,10 @@ def _meta(t: HopperTiles, causal: bool, group: int = 1, window: bool = False, do
                 STAGES=t.stages, NUM_CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs, num_warps=4)
 
 
-def fused_meta(t: HopperTiles, dtype: torch.dtype) -> dict:
-    """The compile-time arguments that make the dK/dV kernel the fused backward (tiles t, inputs of dtype): on top of
-    _meta's, its dS^T layout and the registers of FUSED_REGS."""
-    consumer_regs, dq_regs = FUSED_REGS
+def fused_meta(t: HopperTiles, d: int, dtype: torch.dtype) -> dict:
+    """The compile-time arguments that make the dK/dV kernel the fused backward (tiles t, inputs of head dim d and
+    dtype): on top of _meta's, its dS^T layout and, with a dQ warpgroup (fused_dq_cols), the registers of FUSED_REGS."""
+    consumer_regs, dq_regs = FUSED_REGS if fused_dq_cols(d, t.consumers) == d else (t.consumer_regs, 0)
     return dict(FUSED=True, DS_LAYOUT=_shared_layout(t.block_m, t.block_n, dtype), CONSUMER_REGS=consumer_regs,
                 DQ_REGS=dq_regs)
 
@@ -177,14 +177,14 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     of q, k, v, dO, dK, dV, L, delta and dQ's accumulator; dQ launch, its descriptors of q, k, v, dO, dQ) (see
     BackwardPlan).
 
-    dq_acc: run the fused backward (no window or documents): its dK/dV kernel adds dQ^T into this zeroed fp32
+    dq_acc: run the fused backward (no window or documents): its dK/dV kernel adds dQ into this zeroed fp32
     accumulator of accumulator_shape(q) (delta_and_launch zeroes it), in an order that varies; its dQ launch is then
     dq_from_accumulator's, with no descriptors.
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
     b, h, n, d = q.shape
-    tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0)), **(tiles or {})}
+    tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0), dq_acc is not None), **(tiles or {})}
     if dq_acc is not None:
         dkdv = backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks, dq_acc)
         return (*dkdv, dq_from_accumulator(dq_acc, dq, scale), ())
@@ -409,7 +409,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
                   dq_acc: Optional[torch.Tensor] = None) -> tuple[Launch, tuple]:
     """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
     per (batch, key/value head) and key rows, over the query tiles of its group's heads. With dq_acc
-    (accumulator_shape(q), zeroed) it adds dQ^T there too (the fused backward); the last descriptor returned is then the
+    (accumulator_shape(q), zeroed) it adds dQ there too (the fused backward); the last descriptor returned is then the
     accumulator's, else None stands in its place."""
     import triton
 
@@ -421,37 +421,37 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     starts, ends, window = masks.arguments(lse)
     descs = (*descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
              _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
-             None if dq_acc is None else _accumulator_descriptor(dq_acc, t.block_n))
+             None if dq_acc is None else _accumulator_descriptor(dq_acc, fused_dq_cols(d, t.consumers), t.block_n))
     grid = (triton.cdiv(n, t.rows), b * k.shape[1])
     args = (*descs, starts, ends, *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e),
             scale)
     meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), FUSED=False, DS_LAYOUT=None, DQ_REGS=0)
     if dq_acc is not None:
-        meta.update(fused_meta(t, q.dtype))
+        meta.update(fused_meta(t, d, q.dtype))
     return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
 
 
 def accumulator_shape(q: torch.Tensor) -> tuple[int, int, int]:
-    """The fused backward's fp32 accumulator of dQ^T for (batch, heads, seq, d) q: (batch * heads, d, seq)."""
+    """The fused backward's fp32 accumulator of dQ for (batch, heads, seq, d) q: (batch * heads, seq, d)."""
     b, h, n, d = q.shape
-    return b * h, d, n
+    return b * h, n, d
 
 
-def _accumulator_descriptor(acc: torch.Tensor, block_n: int):
-    """A TMA descriptor of the accumulator acc (accumulator_shape) as (batch * heads * d, seq) rows, in blocks of
-    (d, block_n)."""
+def _accumulator_descriptor(acc: torch.Tensor, cols: int, block_n: int):
+    """A TMA descriptor of the accumulator acc (accumulator_shape) as (batch * heads * seq, d) rows, in blocks of
+    (block_n, cols): cols of d in one dQ tile (fused_dq_cols)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    bh, d, n = acc.shape
-    return TensorDescriptor.from_tensor(acc.view(bh * d, n), [d, block_n], accumulator_layout(d, block_n))
+    bh, n, d = acc.shape
+    return TensorDescriptor.from_tensor(acc.view(bh * n, d), [block_n, cols], accumulator_layout(block_n, cols))
 
 
 @functools.cache
-def accumulator_layout(d: int, block_n: int):
-    """The shared layout of a (d, block_n) fp32 dQ^T tile on its way to the accumulator."""
+def accumulator_layout(block_n: int, cols: int):
+    """The shared layout of a (block_n, cols) fp32 dQ tile on its way to the accumulator."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for([d, block_n], gl.float32)
+    return gl.NVMMASharedLayout.get_default_for([block_n, cols], gl.float32)
 
 
 def backward_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,

@@ -9,9 +9,6 @@ from typing import Optional
 import torch
 
 HEAD_DIMS = (64, 128)
-# The fused backward runs at d 64, where its backward took 11-12% less time than the two kernels side by side at long
-# sequences on the H200; at d 128 it took 1-13% more (docs/flash.md, Backward modes).
-FUSED_HEAD_DIMS = (64,)
 DTYPES = (torch.bfloat16, torch.float16)
 CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
 SEQ_MULTIPLE = 128  # whole query and key tiles: a tile past the end would read the next head's rows
@@ -79,13 +76,11 @@ def scores(batch_heads: int, n: int, causal: bool, window: Optional[int] = None)
     return min(whole, batch_heads * n * band)
 
 
-def fused_backward_problem(d: int, window: Optional[int] = None, docs: bool = False) -> Optional[str]:
+def fused_backward_problem(window: Optional[int] = None, docs: bool = False) -> Optional[str]:
     """Why the Hopper backward runs its dK/dV and dQ kernels side by side rather than fused (dQ added with TMA
     reductions by the dK/dV kernel), where determinism is not asked for; None when it runs fused."""
     if window is not None or docs:
         return "the fused backward takes no window or documents"
-    if d not in FUSED_HEAD_DIMS:
-        return f"at d {d} the two kernels side by side are faster than the fused one"
     return None
 
 

@@ -791,6 +791,54 @@ def _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, 
 
 
 @gluon.jit
+def _dkdv_split_tile(i, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, keys, query_tile,
+                     shared_ds, qk_scale, CAUSAL: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Query tile i of the fused backward whose consumers split d: dV, dK and this consumer's share of dQ.
+
+    S^T and dP^T first; once dS^T is in shared memory for the other consumer, dV, the dQ share (both consumers' dS
+    times this consumer's columns of their K rows) and dK run in that order, and the share is staged for _dq_writer
+    while dK runs. Nothing stays in flight past the tile (FlashAttention-3's order). Returns dK and dV through tile
+    i."""
+    dtype: gl.constexpr = q_smem.dtype
+    col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
+    slot = i % STAGES
+    st_tok, dpt_tok = _issue_scores(k, v, q_smem, do_smem, ready, i, BLOCK_M, BLOCK_N, STAGES, st_layout)
+    lse2 = lse_smem.index(slot).load(col_s) * LOG2E
+    st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    if MASKED:  # the diagonal's tiles; query_tile: the tile's place in its head's sequence
+        pt = _key_mask(pt, keys, keys, keys, query_tile * BLOCK_N, 0, CAUSAL, False, False, BLOCK_N, st_layout)
+    delta = delta_smem.index(slot).load(col_s)
+    dpt = warpgroup_mma_wait(num_outstanding=0, deps=[dpt_tok])
+    dst = (pt * (dpt - delta[None, :])).to(dtype)
+    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+    _share_ds(shared_ds, i, dst)
+    dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+    dq = _issue_dq_share(shared_ds, i)
+    ds = gl.convert_layout(dst, op_layout)
+    dk_tok = warpgroup_mma(ds, q_smem.index(slot), dk, is_async=True)
+    dv, pt_op, dq = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok, pt_op, dq])
+    _stage_dq_share(shared_ds, i, dq)
+    dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
+    mbarrier.arrive(empty.index(slot), count=1)  # Q, dO, L and delta of tile i are read
+    return dk, dv
+
+
+@gluon.jit
+def _issue_scores(k, v, q_smem, do_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, layout: gl.constexpr):
+    """S^T = K Q_i^T and dP^T = V dO_i^T of streamed tile i, issued once the tile is loaded."""
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    st_tok = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout),
+                           use_acc=False, is_async=True)
+    dpt_tok = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout),
+                            use_acc=False, is_async=True)
+    return st_tok, dpt_tok
+
+
+@gluon.jit
 def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  layout: gl.constexpr):
     """a b_i^T for streamed tile i, once loaded, waited for."""
@@ -823,47 +871,65 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     dk = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
 
-    # Tile lo: dV and dS^T only; its dK matmul is issued beside the next tile's dP^T (or after the loop).
-    slot = lo % STAGES
-    mbarrier.wait(ready.index(slot), (lo // STAGES) & 1)
-    st_tok = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)),
-                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
-    dpt_tok = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)),
-                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, st_layout), use_acc=False, is_async=True)
-    lse2 = lse_smem.index(slot).load(col_s) * LOG2E
-    delta = delta_smem.index(slot).load(col_s)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
-    pt = gl.exp2(st * qk_scale - lse2[None, :])
-    if CAUSAL or WINDOW or DOCS:
-        pt = _key_mask(pt, keys, key_start, key_end, (first + lo) * BLOCK_N, window, CAUSAL, WINDOW, DOCS, BLOCK_N,
-                       st_layout)
-    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-    dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-    dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
-    dst = pt * (dpt - delta[None, :])
-    if FUSED:
-        _share_ds(shared_ds, lo, dst.to(dtype))
-    dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
-    ds = gl.convert_layout(dst.to(dtype), op_layout)
+    SPLIT: gl.constexpr = FUSED and shared_ds[5] is not None
+    # The whole stream (no window or documents), each head's masked tiles in loops of their own: a branch per tile
+    # in one loop made the fused kernel 11% slower at B2 H16 N8192 d 128 causal.
+    if SPLIT:
+        for g in range(GROUP):
+            h0 = g * per_head
+            for i in range(h0, h0 + full_lo):
+                dk, dv = _dkdv_split_tile(i, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, keys,
+                                          first + i - h0, shared_ds, qk_scale, CAUSAL, CAUSAL, BLOCK_M,
+                                          BLOCK_N, STAGES, st_layout, op_layout)
+            for i in range(h0 + full_lo, h0 + full_hi):
+                dk, dv = _dkdv_split_tile(i, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, keys,
+                                          first + i - h0, shared_ds, qk_scale, CAUSAL, False, BLOCK_M,
+                                          BLOCK_N, STAGES, st_layout, op_layout)
+            for i in range(h0 + full_hi, h0 + per_head):
+                dk, dv = _dkdv_split_tile(i, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk, dv, keys,
+                                          first + i - h0, shared_ds, qk_scale, CAUSAL, CAUSAL, BLOCK_M,
+                                          BLOCK_N, STAGES, st_layout, op_layout)
+    else:
+        # Tile lo: dV and dS^T only; its dK matmul is issued beside the next tile's dP^T (or after the loop).
+        slot = lo % STAGES
+        st_tok, dpt_tok = _issue_scores(k, v, q_smem, do_smem, ready, lo, BLOCK_M, BLOCK_N, STAGES, st_layout)
+        lse2 = lse_smem.index(slot).load(col_s) * LOG2E
+        delta = delta_smem.index(slot).load(col_s)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        if CAUSAL or WINDOW or DOCS:
+            pt = _key_mask(pt, keys, key_start, key_end, (first + lo) * BLOCK_N, window, CAUSAL, WINDOW, DOCS, BLOCK_N,
+                           st_layout)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt_tok])
+        dst = pt * (dpt - delta[None, :])
+        if FUSED:
+            _share_ds(shared_ds, lo, dst.to(dtype))
+        dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, pt_op])
+        ds = gl.convert_layout(dst.to(dtype), op_layout)
 
-    if last > lo:
-        st = _next_scores(k, q_smem, ready, lo + 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
-        for i in range(lo + 1, last):
-            dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                              dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head,
-                                              window, qk_scale, shared_ds, CAUSAL, WINDOW, DOCS, True, BLOCK_M,
-                                              BLOCK_N, STAGES, st_layout, op_layout, GROUP, FUSED)
-        dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
-                                          dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head, window,
-                                          qk_scale, shared_ds, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES,
-                                          st_layout, op_layout, GROUP, FUSED)  # the last: no S^T to issue
+        if last > lo:
+            st = _next_scores(k, q_smem, ready, lo + 1, BLOCK_M, BLOCK_N, STAGES, st_layout)
+            for i in range(lo + 1, last):
+                dk, dv, ds, st = _dkdv_query_tile(i, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
+                                                  dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head,
+                                                  window, qk_scale, shared_ds, CAUSAL, WINDOW, DOCS, True, BLOCK_M,
+                                                  BLOCK_N, STAGES, st_layout, op_layout, GROUP, FUSED)
+            dk, dv, ds, st = _dkdv_query_tile(last, st, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk,
+                                              dv, ds, keys, key_start, key_end, first, full_lo, full_hi, per_head, window,
+                                              qk_scale, shared_ds, CAUSAL, WINDOW, DOCS, False, BLOCK_M, BLOCK_N, STAGES,
+                                              st_layout, op_layout, GROUP, FUSED)  # the last: no S^T to issue
 
-    dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
-    dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
-    mbarrier.arrive(empty.index(last % STAGES), count=1)
+        dk_tok = warpgroup_mma(ds, q_smem.index(last % STAGES), dk, is_async=True)
+        dk, ds = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok, ds])
+        mbarrier.arrive(empty.index(last % STAGES), count=1)
 
     # This consumer's K and V rows are dead (their last matmuls retired): they hold dK and dV on their way out.
-    if FUSED:  # once the dQ warpgroup's last matmul, which reads every consumer's K rows, has retired
+    if SPLIT:  # this consumer's dQ matmuls, which read every consumer's K rows, have retired
+        _partition_barrier()
+        mbarrier.arrive(shared_ds[4], count=1)
+    if FUSED:  # once the last dQ matmul that reads K (the dQ warpgroup's, or every consumer's) has retired
         mbarrier.wait(shared_ds[4], 0)
     k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
     v.store(dv.to(dtype))
@@ -878,9 +944,15 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
                    ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale, ds_smem,
                    ds_ready, ds_free, k_read, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
                    WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr = False):
+                   STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr = False, dq_share=None):
     first_key = n0 + CONSUMER * BLOCK_M
-    shared_ds = (ds_smem, ds_ready, ds_free, CONSUMER, k_read)
+    if dq_share is not None:  # the consumers split d: this one's columns of every consumer's K rows
+        k_all, dq_smem, dq_full, dq_empty = dq_share
+        COLS: gl.constexpr = dq_smem.shape[2]
+        k_share = (k_all.index(0).slice(CONSUMER * COLS, COLS, dim=1),
+                   k_all.index(1).slice(CONSUMER * COLS, COLS, dim=1))  # FUSED: two consumers
+        dq_share = (k_share, dq_smem, dq_full, dq_empty)
+    shared_ds = (ds_smem, ds_ready, ds_free, CONSUMER, k_read, dq_share)
     mbarrier.wait(res_ready, 0)
     if (WINDOW or DOCS) and GROUP == 1:
         # The program streams the query tiles any of its keys needs: this consumer gives back unread those before
@@ -912,7 +984,7 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
 
 @gluon.jit
 def attn_bwd_dkdv_hopper(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dqt_desc, START, END,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_acc_desc, START, END,
     q_rows_b, q_rows_h, q_cols_h, k_rows_b, k_rows_h, k_cols_h, v_rows_b, v_rows_h, v_cols_h,
     do_rows_b, do_rows_h, do_cols_h,
     H, N, window, qk_scale, scale,
@@ -928,10 +1000,10 @@ def attn_bwd_dkdv_hopper(
     over them is one consumer's, in one order (deterministic, no atomics). The variants as in attn_fwd_hopper: the
     program streams the query tiles that see any of its keys.
 
-    FUSED (two consumers, no window or documents): dQ too, by a warpgroup of its own (_dq_partition) that adds each
-    query tile's dQ^T = K^T dS^T over the program's keys to the zeroed fp32 (batch * heads * d, seq) accumulator
-    dqt_desc describes; DS_LAYOUT is the shared layout of a consumer's (BLOCK_M, BLOCK_N) dS^T. Otherwise dqt_desc
-    is None.
+    FUSED (two consumers, no window or documents): dQ too, each query tile's dQ = dS K over the program's keys added
+    to the zeroed fp32 (batch * heads * seq, d) accumulator that dq_acc_desc describes, in blocks of all of d (by a
+    warpgroup of its own, _dq_partition) or of each consumer's share of d (split, BLOCK_N 64: _dkdv_split_tile);
+    DS_LAYOUT is the shared layout of a consumer's (BLOCK_M, BLOCK_N) dS^T. Otherwise dq_acc_desc is None.
     """
     dtype: gl.constexpr = k_desc.dtype
     D: gl.constexpr = k_desc.block_type.shape[1]
@@ -968,34 +1040,67 @@ def attn_bwd_dkdv_hopper(
     do_row = b * do_rows_b + hq * do_rows_h
     if FUSED:
         gl.static_assert(NUM_CONSUMERS == 2 and not WINDOW and not DOCS, "FUSED: two consumers, no masks but causal")
-        # Two dS^T buffers (each both consumers' halves) and two staging buffers of dQ^T, so a tile's dQ matmul and
-        # reduction run while the consumers compute the next tile's dS^T.
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, BLOCK_M, BLOCK_N], DS_LAYOUT)
-        dqt_smem = gl.allocate_shared_memory(gl.float32, [2, D, BLOCK_N], dqt_desc.layout)
-        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # Each dQ tile has D columns (the dQ warpgroup's) or, the consumers splitting d, each consumer's share.
+        DQ_COLS: gl.constexpr = dq_acc_desc.block_type.shape[1]
+        SPLIT: gl.constexpr = DQ_COLS < D
+        # Two dS^T buffers (each both consumers' halves), so a tile's dQ matmul runs while the consumers compute the
+        # next tile's dS^T.
+        DS_BUFFERS: gl.constexpr = 2
+        ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS * NUM_CONSUMERS, BLOCK_M, BLOCK_N], DS_LAYOUT)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFFERS, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFFERS, 1], mbarrier.MBarrierLayout())
         k_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        readers: gl.constexpr = NUM_CONSUMERS if SPLIT else 1  # who reads a dS^T buffer and every K row
+        for i in gl.static_range(DS_BUFFERS):
             mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
-            mbarrier.init(ds_free.index(i), count=1)
-        mbarrier.init(k_read, count=1)
+            mbarrier.init(ds_free.index(i), count=readers)
+        mbarrier.init(k_read, count=readers)
         fence_async_shared()
-        gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0, CAUSAL, WINDOW, DOCS,
-                              BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
-            (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
-                              window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1, CAUSAL, WINDOW, DOCS,
-                              BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
-            (_dq_partition, (k_smem, ds_smem, dqt_smem, ds_ready, ds_free, k_read, res_ready, dqt_desc,
-                             (b * H + hq) * D, first, GROUP * n_tiles, BLOCK_N, GROUP, NUM_CONSUMERS)),
-            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
-                             k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h, first,
-                             GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem, delta_smem,
-                             lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
-        ], [4, 4, 1], [CONSUMER_REGS, DQ_REGS, 24])
+        dq_row = (b * H + hq) * N  # the accumulator's first row of the group's first query head
+        if SPLIT:
+            # One staging buffer per consumer, which _dq_writer adds to the accumulator.
+            dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_N, DQ_COLS], dq_acc_desc.layout)
+            dq_full = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+            dq_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+            for c in gl.static_range(NUM_CONSUMERS):
+                mbarrier.init(dq_full.index(c), count=1)
+                mbarrier.init(dq_empty.index(c), count=1)
+            fence_async_shared()
+            dq_share = (k_smem, dq_smem, dq_full, dq_empty)
+            gl.warp_specialize([
+                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0,
+                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True, dq_share)),
+                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1,
+                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True, dq_share)),
+                (_dq_writer, (dq_smem, dq_acc_desc, dq_full, dq_empty, dq_row, N, first, GROUP * n_tiles, GROUP,
+                              NUM_CONSUMERS)),
+                (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready,
+                                 empty, k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h,
+                                 first, GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem,
+                                 delta_smem, lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
+            ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, D], dq_acc_desc.layout)
+            gl.warp_specialize([
+                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0,
+                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
+                (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1,
+                                  CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
+                (_dq_partition, (k_smem, ds_smem, dq_smem, ds_ready, ds_free, k_read, res_ready, dq_acc_desc, dq_row,
+                                 N, first, GROUP * n_tiles, BLOCK_N, GROUP, NUM_CONSUMERS)),
+                (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready,
+                                 empty, k_row, k_col, v_row, v_col, q_row, hq * q_cols_h, do_row, hq * do_cols_h,
+                                 first, GROUP * n_tiles, STAGES, NUM_CONSUMERS, lse_desc, delta_desc, lse_smem,
+                                 delta_smem, lse_base, GROUP, q_rows_h, q_cols_h, do_rows_h, do_cols_h, N)),
+            ], [4, 4, 1], [CONSUMER_REGS, DQ_REGS, 24])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
@@ -1035,59 +1140,110 @@ def attn_bwd_dkdv_hopper(
 
 # ----------------------------------------------------------------------------------------------------------
 # The fused backward (FUSED): the dK/dV program also computes dQ, five tile matmuls instead of the two kernels'
-# seven. Each consumer puts its dS^T rows of a query tile in shared memory; a warpgroup of their own then computes
-# the tile's dQ^T = K^T dS^T over all the program's keys (the A operand K^T, d rows, as wgmma needs at least 64) and
-# adds it to an fp32 accumulator with one TMA reduction. The consumers keep their registers and their schedule;
-# the sum's order varies from run to run.
+# seven. Each consumer puts its dS^T rows of a query tile in shared memory. At d 64 a warpgroup of their own then
+# computes the tile's dQ = dS K over all the program's keys and adds it to an fp32 (batch * heads * seq, d)
+# accumulator with one TMA reduction; the consumers keep their registers and their schedule. From d 128, where
+# that warpgroup's registers would make the consumers spill, each consumer computes the dQ columns of its share of d
+# itself and stages them in shared memory for a warp that adds them (_dq_writer). The sum's order varies from run
+# to run.
 # ----------------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
 def _share_ds(shared_ds, i, dst):
-    """Puts streamed tile i's dS^T rows of this consumer where _dq_partition reads them, once it is done with the
-    buffer's tile before (two buffers)."""
-    ds_smem, ds_ready, ds_free, consumer, _ = shared_ds
-    buf = i % 2
-    mbarrier.wait(ds_free.index(buf), ((i // 2) & 1) ^ 1)  # a fresh barrier passes the first wait
-    ds_smem.index(buf * 2 + consumer).store(dst)
+    """Puts streamed tile i's dS^T rows of this consumer where the dQ matmuls read them, once they are done with
+    the buffer's tile before."""
+    ds_smem, ds_ready, ds_free, consumer, _, _ = shared_ds
+    BUFFERS: gl.constexpr = ds_ready.shape[0]
+    buf = i % BUFFERS
+    mbarrier.wait(ds_free.index(buf), ((i // BUFFERS) & 1) ^ 1)  # a fresh barrier passes the first wait
+    ds_smem.index(buf * (ds_smem.shape[0] // BUFFERS) + consumer).store(dst)
     fence_async_shared()
     _partition_barrier()  # every warp's rows stored before the arrival
     mbarrier.arrive(ds_ready.index(buf), count=1)
 
 
 @gluon.jit
-def _dq_partition(k_smem, ds_smem, dqt_smem, ds_ready, ds_free, k_read, res_ready, dqt_desc, dq_row, first, n_tiles,
-                  BLOCK_N: gl.constexpr, GROUP: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """dQ^T of each streamed query tile over the program's keys, added to the accumulator: rows dq_row + (the
-    tile's query head in the group) * d, columns (first + the tile's place in its head's stream) * BLOCK_N. Arrives
-    on k_read once its last matmul has read K, which the consumers then overwrite with dK."""
-    D: gl.constexpr = dqt_desc.block_type.shape[0]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BLOCK_N, 16])
+def _issue_dq_share(shared_ds, i):
+    """Issues streamed tile i's dQ columns of this consumer's share of d over all the program's keys (every
+    consumer's dS times those columns of its K rows), once each consumer's dS^T of the tile is in shared memory."""
+    ds_smem, ds_ready, _, _, _, dq_share = shared_ds
+    k_share, dq_smem, _, _ = dq_share
+    BLOCK_N: gl.constexpr = dq_smem.shape[1]
+    COLS: gl.constexpr = dq_smem.shape[2]
+    BUFFERS: gl.constexpr = ds_ready.shape[0]
+    NUM_CONSUMERS: gl.constexpr = ds_smem.shape[0] // BUFFERS
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, COLS, 16])
+    buf = i % BUFFERS
+    mbarrier.wait(ds_ready.index(buf), (i // BUFFERS) & 1)
+    dq = gl.zeros([BLOCK_N, COLS], gl.float32, layout)
+    for c in gl.static_range(NUM_CONSUMERS):
+        dq = warpgroup_mma(ds_smem.index(buf * NUM_CONSUMERS + c).permute((1, 0)), k_share[c], dq, is_async=True)
+    return dq
+
+
+@gluon.jit
+def _stage_dq_share(shared_ds, i, dq):
+    """Gives streamed tile i's dS^T buffer back and stages this consumer's retired dQ share of the tile for
+    _dq_writer, once the writer's reduction of the tile before has read the staging buffer."""
+    _, _, ds_free, consumer, _, dq_share = shared_ds
+    _, dq_smem, dq_full, dq_empty = dq_share
+    mbarrier.wait(dq_empty.index(consumer), (i & 1) ^ 1)  # a fresh barrier passes the first wait
+    dq_smem.index(consumer).store(dq)
+    fence_async_shared()
+    _partition_barrier()  # every warp's share of the matmul retired and stored
+    mbarrier.arrive(ds_free.index(i % ds_free.shape[0]), count=1)
+    mbarrier.arrive(dq_full.index(consumer), count=1)
+
+
+@gluon.jit
+def _dq_writer(dq_smem, dq_acc_desc, dq_full, dq_empty, dq_row, N, first, n_tiles, GROUP: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr):
+    """Adds each consumer's staged dQ share of every streamed tile to the accumulator (rows dq_row + the tile's query
+    head in the group * N + its queries, the share's columns of d) with one TMA reduction, and gives the staging
+    buffer back once the reduction has read it: the consumers never wait on a reduction."""
+    BLOCK_N: gl.constexpr = dq_smem.shape[1]
+    COLS: gl.constexpr = dq_smem.shape[2]
+    per_head = n_tiles // GROUP
+    for i in range(n_tiles):
+        g = i // per_head  # the stream takes the group's query heads in turn
+        row = dq_row + g * N + (first + i - g * per_head) * BLOCK_N
+        for c in gl.static_range(NUM_CONSUMERS):
+            mbarrier.wait(dq_full.index(c), i & 1)
+            _tma_add(dq_acc_desc, [row, c * COLS], dq_smem.index(c))
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.store_wait(pendings=NUM_CONSUMERS - 1 - c)
+            mbarrier.arrive(dq_empty.index(c), count=1)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dq_partition(k_smem, ds_smem, dq_smem, ds_ready, ds_free, k_read, res_ready, dq_acc_desc, dq_row, N, first,
+                  n_tiles, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """dQ of each streamed query tile over the program's keys, added to the accumulator: rows dq_row + (the tile's
+    query head in the group) * N + its queries. Arrives on k_read once its last matmul has read K, which the
+    consumers then overwrite with dK."""
+    D: gl.constexpr = dq_acc_desc.block_type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     per_head = n_tiles // GROUP
     mbarrier.wait(res_ready, 0)  # K is resident
     for i in range(n_tiles):
         buf = i % 2
         mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-        dqt = gl.zeros([D, BLOCK_N], gl.float32, layout)
+        dq = gl.zeros([BLOCK_N, D], gl.float32, layout)
         for c in gl.static_range(NUM_CONSUMERS):
-            dqt = warpgroup_mma(k_smem.index(c).permute((1, 0)), ds_smem.index(buf * NUM_CONSUMERS + c), dqt,
-                                is_async=True)
-        dqt = warpgroup_mma_wait(num_outstanding=0, deps=[dqt])
+            dq = warpgroup_mma(ds_smem.index(buf * NUM_CONSUMERS + c).permute((1, 0)), k_smem.index(c), dq,
+                               is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
         _partition_barrier()  # every warp's share of the matmul retired before the buffer is given back
         mbarrier.arrive(ds_free.index(buf), count=1)
-        j = i
-        row = dq_row
-        if GROUP > 1:  # the stream takes the group's query heads in turn
-            g = i // per_head
-            j = i - g * per_head
-            row = dq_row + g * D
-        staged = dqt_smem.index(buf)
+        g = i // per_head  # the stream takes the group's query heads in turn
+        staged = dq_smem.index(buf)
         tma.store_wait(pendings=1)  # the reduction two tiles back has read this buffer
         _partition_barrier()
-        staged.store(dqt)
+        staged.store(dq)
         fence_async_shared()
         _partition_barrier()
-        _tma_add(dqt_desc, [row, (first + j) * BLOCK_N], staged)
+        _tma_add(dq_acc_desc, [dq_row + g * N + (first + i - g * per_head) * BLOCK_N, 0], staged)
     mbarrier.arrive(k_read, count=1)  # every matmul retired (waited in the loop, a partition barrier after)
     tma.store_wait(pendings=0)

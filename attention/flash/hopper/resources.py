@@ -28,8 +28,7 @@ from typing import Optional
 import torch
 
 from attention.flash.hopper.host import _shared_layout, _stats_layout
-from attention.flash.hopper.inputs import FUSED_HEAD_DIMS
-from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, tiles_for
+from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, fused_dq_cols, tiles_for
 
 H100_SMS = 132
 # Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as host.py launches them.
@@ -86,7 +85,7 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
     if kind == "fwd":
         meta["PERSISTENT"] = tiles.persistent
     if kind == "fused":
-        meta.update(fused_meta(tiles, torch.bfloat16))
+        meta.update(fused_meta(tiles, d, torch.bfloat16))
     num_warps = meta.pop("num_warps")
     rows = {"m": tiles.block_m, "n": tiles.block_n}
     signature, attrs = {}, {}
@@ -97,9 +96,10 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
             signature[name] = "constexpr"
         elif name in DESCRIPTOR_ROWS[kind]:
             signature[name] = _descriptor_type(rows[DESCRIPTOR_ROWS[kind][name]], d, name in ROW_STATS)
-        elif name == "dqt_desc":  # the fused backward's dQ accumulator, None otherwise
+        elif name == "dq_acc_desc":  # the fused backward's dQ accumulator, None otherwise
             if kind == "fused":
-                signature[name] = f"tensordesc<fp32[{d}, {tiles.block_n}],{accumulator_layout(d, tiles.block_n)!r}>"
+                cols = fused_dq_cols(d, tiles.consumers)
+                signature[name] = f"tensordesc<fp32[{tiles.block_n}, {cols}],{accumulator_layout(tiles.block_n, cols)!r}>"
             else:
                 signature[name], meta[name] = "constexpr", None
         else:
@@ -203,8 +203,8 @@ def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
         configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, window=1024, docs=True), causal))
         for kind, t in backward_tiles_for(d, n, b * h, H100_SMS).items():
             configs.append((kind, d, t, causal))
-        if d in FUSED_HEAD_DIMS:  # the backward unless deterministic
-            configs.append(("fused", d, backward_tiles_for(d, n, b * h, H100_SMS)["dkdv"], causal))
+        # the backward unless deterministic
+        configs.append(("fused", d, backward_tiles_for(d, n, b * h, H100_SMS, fused=True)["dkdv"], causal))
     return list(dict.fromkeys(configs))
 
 

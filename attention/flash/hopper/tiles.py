@@ -61,14 +61,21 @@ def tiles_for(d: int, n: int, batch_heads: int, sm_count: int, window: Optional[
     return HopperTiles(consumers=2, block_n=block_n, stages=3 if d == 64 else 4)
 
 
-# The fused backward's registers per thread (it runs at d 64, inputs.FUSED_HEAD_DIMS): the second dK/dV consumer's
-# and the dQ warpgroup's. The producer warp keeps 24 and the first consumer gets what is left of an SM's 65536 (488
-# minus both, per thread of the four warpgroups): 208, the most that compiles without spills.
+# The fused backward's registers per thread with a dQ warpgroup (d 64): the second dK/dV consumer's and the dQ
+# warpgroup's. The producer warp keeps 24 and the first consumer gets what is left of an SM's 65536 (488 minus both,
+# per thread of the four warpgroups): 208, the most that compiles without spills.
 FUSED_REGS = (208, 72)
 
 
-def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[str, HopperTiles]:
-    """dK/dV and dQ tiles: 64 resident rows per consumer; 64-row streamed tiles (32 for dK/dV at d 128).
+def fused_dq_cols(d: int, consumers: int) -> int:
+    """Columns of d in one dQ tile of the fused backward: all of d, by a dQ warpgroup of its own, at d 64; from d 128,
+    where that warpgroup's registers would make the dK/dV consumers spill, each consumer's share."""
+    return d if d <= 64 else d // consumers
+
+
+def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int, fused: bool = False) -> dict[str, HopperTiles]:
+    """dK/dV and dQ tiles: 64 resident rows per consumer; 64-row streamed tiles (32 for dK/dV at d 128, where the fused
+    backward, `fused`, streams 64-row tiles in three slots: its consumers hold one score tile pair at a time).
 
     dK/dV keeps two consumers (three get 160 registers each, too few for its two accumulators and two score tiles)
     and four slots (it issues the next tile's S^T before it releases the tile before, which with three slots waits on
@@ -76,7 +83,7 @@ def backward_tiles_for(d: int, n: int, batch_heads: int, sm_count: int) -> dict[
     choice was the fastest of the configs timed against it (docs/flash.md, Hopper tiles).
     """
     if d == 128:
-        return {"dkdv": HopperTiles(2, 32, 4), "dq": HopperTiles(2, 64, 4)}
+        return {"dkdv": HopperTiles(2, 64, 3) if fused else HopperTiles(2, 32, 4), "dq": HopperTiles(2, 64, 4)}
     dq = HopperTiles(3, 64, 4)
     if batch_heads * math.ceil(n / dq.rows) < 4 * sm_count:
         dq = HopperTiles(2, 64, 4)

@@ -466,8 +466,8 @@ def delta_and_launch(o4: torch.Tensor, do4: torch.Tensor,
 
 
 def dq_from_accumulator(acc: torch.Tensor, dq4: torch.Tensor, scale: float) -> Launch:
-    """Writes dq4 ((batch, heads, seq, d), any memory order) = scale * the transposed fp32 accumulator acc
-    ((batch * heads, d, seq), the fused Hopper backward's); returns the launch resolved."""
+    """Writes dq4 ((batch, heads, seq, d), any memory order) = scale * the fp32 accumulator acc ((batch * heads, seq,
+    d), the fused Hopper backward's); returns the launch resolved."""
     b, h, n_q, d = dq4.shape
     return _run(_kernels().dq_from_accumulator, (_cdiv(n_q, DQ_FROM_ACCUMULATOR_BLOCK_M), b * h),
                 (acc, dq4, *_strides(dq4), h, n_q, scale), 2, {"D": d, "BLOCK_M": DQ_FROM_ACCUMULATOR_BLOCK_M}, {})

@@ -363,10 +363,10 @@ def _streamed_tiles(items, ITEMS, N, window, START, END, CAUSAL: tl.constexpr, W
 
 
 @triton.jit
-def _accumulator_tile(ACC, bh, offs_d, offs_m, N_Q, D: tl.constexpr):
-    """The addresses of (batch, head) bh's dQ^T at columns offs_d, rows offs_m, as a (columns, rows) tile, in the
-    fused Hopper backward's fp32 (batch * heads, D, N_Q) accumulator."""
-    return ACC + bh.to(tl.int64) * D * N_Q + offs_d[:, None] * N_Q + offs_m[None, :]
+def _accumulator_rows(ACC, bh, offs_m, offs_d, N_Q, D: tl.constexpr):
+    """The addresses of (batch, head) bh's dQ at rows offs_m, columns offs_d, as a (rows, columns) tile, in the fused
+    Hopper backward's fp32 (batch * heads, N_Q, D) accumulator."""
+    return ACC + (bh.to(tl.int64) * N_Q + offs_m.to(tl.int64)[:, None]) * D + offs_d[None, :]
 
 
 @triton.jit
@@ -378,7 +378,7 @@ def attn_bwd_delta(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_ACC: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32: the softmax-backward term shared by every key of a row (Hopper backward).
-    ZERO_ACC: also zero the same rows of the fused backward's (batch * heads, D, N_Q) fp32 dQ^T accumulator ACC, which
+    ZERO_ACC: also zero the same rows of the fused backward's (batch * heads, N_Q, D) fp32 dQ accumulator ACC, which
     saves that backward a launch."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -394,8 +394,8 @@ def attn_bwd_delta(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
     if ZERO_ACC:
-        tl.store(_accumulator_tile(ACC, bh, offs_d, offs_m, N_Q, D), tl.zeros((BLOCK_D, BLOCK_M), tl.float32),
-                 mask=(offs_d[:, None] < D) & (offs_m[None, :] < N_Q))
+        tl.store(_accumulator_rows(ACC, bh, offs_m, offs_d, N_Q, D), tl.zeros((BLOCK_M, BLOCK_D), tl.float32),
+                 mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -405,8 +405,8 @@ def dq_from_accumulator(
     H, N_Q, scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """dQ = scale * ACC^T in dQ's dtype and memory order, ACC the fused Hopper backward's fp32 (batch * heads, D, N_Q)
-    accumulator of dQ^T: each side is read or written along its contiguous dim, the transpose done on chip."""
+    """dQ = scale * ACC in dQ's dtype and memory order, ACC the fused Hopper backward's fp32 (batch * heads, N_Q, D)
+    accumulator."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -414,8 +414,7 @@ def dq_from_accumulator(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     rows = offs_m < N_Q
-    acc = tl.load(_accumulator_tile(ACC, bh, offs_d, offs_m, N_Q, D), mask=rows[None, :])
-    dq = tl.trans(acc * scale)
+    dq = tl.load(_accumulator_rows(ACC, bh, offs_m, offs_d, N_Q, D), mask=rows[:, None]) * scale
     dq_rows = DQ + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
     tl.store(dq_rows + offs_d[None, :] * stride_qd, dq.to(DQ.dtype.element_ty), mask=rows[:, None])
 

@@ -344,10 +344,11 @@ def test_backward_replays_in_a_cuda_graph(hopper_at_every_size, deterministic):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("h, h_kv, n", [(4, 4, 384), (4, 1, 512), (6, 2, 256), (2, 2, 128)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype):
-    """The fused backward (the dK/dV kernel adds dQ with TMA reductions) at d 64, where it runs: every gradient
-    element written, each within the deterministic backward's tolerance of float64, MHA and GQA."""
-    b, d, scale = 2, 64, 0.125
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype, d):
+    """The fused backward (the dK/dV kernel adds dQ with TMA reductions; at d 128 each consumer its half of d): every
+    gradient element written, each within the deterministic backward's tolerance of float64, MHA and GQA."""
+    b, scale = 2, d ** -0.5
     q = make_qkv(b, h, n, d, dtype, layout, seed=n + h)[0]
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=n + 7)[:2]
     do = make_qkv(b, h, n, d, dtype, layout, seed=n + 11)[0]
@@ -361,10 +362,9 @@ def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype):
 
 
 @requires_hopper
-@pytest.mark.parametrize("d, fused", [(64, True), (128, False)])
-def test_flash_runs_the_fused_backward_unless_deterministic_algorithms_are_on(hopper_at_every_size, monkeypatch, d,
-                                                                             fused):
-    """Through get_attention("flash"): fused where it is faster (d 64), the two bitwise-reproducible kernels under
+@pytest.mark.parametrize("d", [64, 128])
+def test_flash_runs_the_fused_backward_unless_deterministic_algorithms_are_on(hopper_at_every_size, monkeypatch, d):
+    """Through get_attention("flash"): fused by default, the two bitwise-reproducible kernels under
     torch.use_deterministic_algorithms(True), whose two backward passes agree bitwise."""
     modes = []
     real = hopper.backward
@@ -379,7 +379,7 @@ def test_flash_runs_the_fused_backward_unless_deterministic_algorithms_are_on(ho
         runs = [torch.autograd.grad(flash(*inputs, causal=True), inputs, do) for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(False)
-    assert modes == [fused, False]  # the second deterministic call ran its plan
+    assert modes == [True, False]  # the second deterministic call ran its plan
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     for got, want in zip(default, runs[0]):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from attention.flash.hopper.inputs import HEAD_DIMS, SEQ_MULTIPLE
 from attention.flash.hopper.tiles import (PERSISTENT_MAX_WINDOW, THREE_CONSUMERS_MIN_WINDOW,
-                                          WIDE_KEY_TILES_MIN_CAUSAL_SEQ, HopperTiles, backward_tiles_for, tiles_for)
+                                          WIDE_KEY_TILES_MIN_CAUSAL_SEQ, HopperTiles, backward_tiles_for, fused_dq_cols,
+                                          tiles_for)
 
 
 def test_three_consumers_only_when_every_sm_gets_four_programs():
@@ -57,3 +58,16 @@ def test_backward_tiles():
                 # and delta, in one SM's 227 KB of shared memory
                 stats = 2 * t.stages * t.block_n * 4 if kernel == "dkdv" else 0
                 assert (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 + stats <= 227 * 1024
+
+
+def test_fused_backward_tiles_fit_shared_memory():
+    """The fused dK/dV program holds, on top of the dK/dV kernel's tiles, two buffers of both consumers' bf16 dS^T and
+    fp32 staging for its dQ tiles: two buffers of all of d with a dQ warpgroup, one per consumer of its share of d."""
+    for d in HEAD_DIMS:
+        t = backward_tiles_for(d, 16384, 16, 132, fused=True)["dkdv"]
+        cols = fused_dq_cols(d, t.consumers)
+        assert cols == (d if d == 64 else d // t.consumers) and cols % 16 == 0
+        stats = 2 * t.stages * t.block_n * 4
+        ds = 2 * t.rows * t.block_n * 2
+        staging = 2 * t.block_n * cols * 4 if cols == d else t.consumers * t.block_n * cols * 4
+        assert (2 * t.rows + 2 * t.stages * t.block_n) * d * 2 + stats + ds + staging <= 227 * 1024

@@ -352,15 +352,15 @@ def test_the_hopper_pre_pass_writes_delta_and_zeroes_the_fused_accumulator(layou
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_dq_from_accumulator_transposes_and_scales_into_dq(layout, dtype):
-    """The fused backward's last launch: dq = scale * the (batch * heads, d, seq) accumulator transposed, in dq's
-    dtype and memory order, every element written."""
+def test_dq_from_accumulator_scales_into_dq(layout, dtype):
+    """The fused backward's last launch: dq = scale * the (batch * heads, seq, d) accumulator, in dq's dtype and
+    memory order, every element written."""
     b, h, n, d = 2, 3, 100, 64
-    acc = randn(b * h, d, n, seed=1)
+    acc = randn(b * h, n, d, seed=1)
     dq = (torch.full((b, n, h, d), float("nan"), dtype=dtype, device=acc.device).transpose(1, 2) if layout == "bshd"
           else torch.full((b, h, n, d), float("nan"), dtype=dtype, device=acc.device))
     flash_triton.dq_from_accumulator(acc, dq, 0.125)
-    want = (0.125 * acc.double()).view(b, h, d, n).transpose(-1, -2)
+    want = (0.125 * acc.double()).view(b, h, n, d)
     torch.testing.assert_close(dq.double(), want, rtol=1e-3, atol=1e-3)
 
 
