@@ -98,8 +98,8 @@ def compile_kernel(kind: str, d: int, tiles: HopperTiles, causal: bool = True, m
             signature[name] = _descriptor_type(rows[DESCRIPTOR_ROWS[kind][name]], d, name in ROW_STATS)
         elif name == "dq_acc_desc":  # the fused backward's dQ accumulator, None otherwise
             if kind == "fused":
-                cols = fused_dq_cols(d, tiles.consumers)
-                signature[name] = f"tensordesc<fp32[{tiles.block_n}, {cols}],{accumulator_layout(tiles.block_n, cols)!r}>"
+                rows, cols = tiles.block_n, fused_dq_cols(d, tiles.consumers)
+                signature[name] = f"tensordesc<fp32[{rows}, {cols}],{accumulator_layout(rows, cols)!r}>"
             else:
                 signature[name], meta[name] = "constexpr", None
         else:
