@@ -1,12 +1,17 @@
-"""flash's two backward modes against SDPA's cuDNN on a Hopper GPU: the default (fused: the dK/dV kernel adds dQ with
-TMA reductions) and the deterministic one (dK/dV and dQ kernels side by side), forward+backward and backward alone,
-bf16, the Hopper kernels at every size, triton.testing.do_bench medians, every backend on the same inputs.
+"""flash's two backward modes against SDPA's cuDNN on a Hopper GPU, bf16, the Hopper kernels at every size,
+triton.testing.do_bench medians, every backend on the same inputs: fused (the dK/dV kernel adds dQ with TMA
+reductions) and deterministic (dK/dV and dQ kernels side by side). Each line names the mode flash picks by default
+where determinism is not asked for (hopper/inputs.py, FUSED_MIN).
 
-    python scripts/backward_modes_bench.py
+    python scripts/backward_modes_bench.py            # eager forward+backward and backward alone, long sequences
+    python scripts/backward_modes_bench.py --graphed  # forward+backward replayed from CUDA graphs, three rounds
+                                                      # taking turns, around FUSED_MIN's bounds
 """
 from __future__ import annotations
 
+import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -16,9 +21,11 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from attention.flash import choose_kernels  # noqa: E402
+from attention import graph_replay  # noqa: E402
 from attention.flash.api import FlashAttention  # noqa: E402
+from attention.flash.common import sm_count  # noqa: E402
 from attention.flash.hopper import inputs as hopper_inputs  # noqa: E402
+from benchmarking.timing import captured  # noqa: E402
 
 # (batch, heads, kv heads, seq, d_head, causal)
 SHAPES = [(1, 16, 16, 16384, 64, True), (1, 16, 16, 4096, 64, True), (16, 12, 12, 1024, 64, True),
@@ -26,6 +33,17 @@ SHAPES = [(1, 16, 16, 16384, 64, True), (1, 16, 16, 4096, 64, True), (16, 12, 12
           (2, 16, 16, 8192, 128, True), (8, 16, 16, 2048, 128, True), (4, 16, 16, 2048, 128, True),
           (2, 16, 16, 8192, 128, False), (8, 16, 4, 4096, 128, True), (1, 64, 8, 8192, 128, True),
           (1, 32, 32, 32768, 128, True)]
+# Causal, short sequences and few dK/dV programs (B * KV * seq / 128), MHA and GQA: where the modes trade places.
+GRAPHED_SHAPES = [(8, 32, 32, 512, 128, True), (16, 32, 32, 512, 128, True), (4, 16, 16, 1024, 128, True),
+                  (8, 16, 16, 1024, 128, True), (16, 12, 12, 1024, 128, True), (8, 16, 4, 1024, 128, True),
+                  (8, 16, 16, 1536, 128, True), (4, 16, 16, 2048, 128, True), (8, 16, 16, 2048, 128, True),
+                  (2, 8, 8, 4096, 128, True), (2, 16, 16, 4096, 128, True), (1, 64, 8, 4096, 128, True),
+                  (4, 32, 8, 4096, 128, True), (1, 8, 8, 8192, 128, True), (1, 16, 16, 8192, 128, True),
+                  (1, 32, 4, 8192, 128, True), (1, 32, 8, 8192, 128, True), (1, 64, 8, 8192, 128, True),
+                  (2, 64, 8, 8192, 128, True), (1, 4, 4, 16384, 128, True), (8, 32, 32, 512, 64, True),
+                  (4, 20, 20, 1024, 64, True), (16, 12, 12, 1024, 64, True), (2, 16, 16, 2048, 64, True),
+                  (1, 16, 16, 4096, 64, True), (1, 32, 4, 8192, 64, True), (1, 64, 8, 8192, 64, True)]
+MODES = ("fused", "deterministic")
 
 
 def times_ms(attend, q, k, v, do) -> tuple[float, float]:
@@ -39,30 +57,77 @@ def times_ms(attend, q, k, v, do) -> tuple[float, float]:
     return total, backward
 
 
-def main() -> None:
-    # the Hopper kernels at any size, as graphed calls run them
-    hopper_inputs.MIN_SCORES = hopper_inputs.min_scores_at_every_head_dim(0, 0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms forward+backward / backward alone; "
-          "ratio = cuDNN's time / flash's")
-    for b, h, kv, n, d, causal in SHAPES:
-        gen = torch.Generator("cuda").manual_seed(0)
-        q, k, v = (torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-                   for heads in (h, kv, kv))
-        do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        scale = d ** -0.5
-        rows = {mode: times_ms(lambda q, k, v: FlashAttention.apply(q, k, v, causal, scale, None, None, None,
-                                                                     mode == "deterministic"), q, k, v, do)
-                for mode in ("default", "deterministic")}
+def inputs(b: int, h: int, kv: int, n: int, d: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for heads in (h, kv, kv))
+    return q, k, v, torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def attends(causal: bool, scale: float, gqa: bool) -> dict:
+    """flash in each mode and cuDNN, as functions of (q, k, v)."""
+    def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            rows["cudnn"] = times_ms(lambda q, k, v: F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, enable_gqa=kv != h), q, k, v, do)
-        mode = choose_kernels(q, k, v, causal, replayed=True).backward_reason.split("; ")[-1].split(":")[0]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    flash = {mode: (lambda q, k, v, mode=mode: FlashAttention.apply(q, k, v, causal, scale, None, None, None,
+                                                                     mode == "deterministic")) for mode in MODES}
+    return {**flash, "cudnn": cudnn}
+
+
+def default_modes(shapes: list[tuple]) -> dict[tuple, str]:
+    """The backward flash runs by default (FUSED_MIN as it stands) at each shape."""
+    sms = sm_count(torch.cuda.current_device())
+    return {(b, h, kv, n, d, causal): "deterministic" if hopper_inputs.fused_backward_problem(b, kv, n, d, sms)
+            else "fused" for b, h, kv, n, d, causal in shapes}
+
+
+def eager(picks: dict[tuple, str]) -> None:
+    print("ms forward+backward / backward alone, eager; ratio = cuDNN's time / flash's")
+    for b, h, kv, n, d, causal in SHAPES:
+        q, k, v, do = inputs(b, h, kv, n, d)
+        rows = {name: times_ms(fn, q, k, v, do) for name, fn in attends(causal, d ** -0.5, kv != h).items()}
         flop = 4 * b * h * n * n * d * (0.5 if causal else 1) * 2.5
         cells = " | ".join(f"{name} {t:.3f} / {bw:.3f}" for name, (t, bw) in rows.items())
-        ratios = " ".join(f"{name} {rows['cudnn'][0] / t:.3f} / {rows['cudnn'][1] / bw:.3f}"
-                          for name, (t, bw) in rows.items() if name != "cudnn")
-        print(f"B{b} H{h} KV{kv} N{n} D{d} {'causal' if causal else 'full'} [{mode[:40]}]: {cells} | ratio {ratios} "
-              f"| default backward {flop / rows['default'][1] / 1e9:.0f} TFLOP/s", flush=True)
+        ratios = " ".join(f"{mode} {rows['cudnn'][0] / rows[mode][0]:.3f} / {rows['cudnn'][1] / rows[mode][1]:.3f}"
+                          for mode in MODES)
+        print(f"B{b} H{h} KV{kv} N{n} D{d} {'causal' if causal else 'full'} [default {picks[b, h, kv, n, d, causal]}]"
+              f": {cells} | ratio {ratios} | fused backward {flop / rows['fused'][1] / 1e9:.0f} TFLOP/s", flush=True)
+
+
+def graphed(picks: dict[tuple, str], rounds: int = 3) -> None:
+    print("ms forward+backward replayed from a CUDA graph, median of 3 rounds; ratio = cuDNN's time / flash's")
+    for b, h, kv, n, d, causal in GRAPHED_SHAPES:
+        q, k, v, do = inputs(b, h, kv, n, d)
+        replays = {}
+        for name, fn in attends(causal, d ** -0.5, kv != h).items():
+            with graph_replay():
+                replays[name] = captured(lambda fn=fn: fn(q, k, v).backward(do), "cuda", grad_to_none=[q, k, v])
+        times = {name: [] for name in replays}
+        for _ in range(rounds):
+            for name, replay in replays.items():
+                times[name].append(do_bench(replay, warmup=10, rep=100))
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        pick = picks[b, h, kv, n, d, causal]
+        faster = min(MODES, key=ms.get)
+        print(f"B{b} H{h} KV{kv} N{n} D{d} ({b * kv * -(-n // 128)} dK/dV programs): "
+              + " | ".join(f"{name} {t:.4f}" for name, t in ms.items())
+              + f" | ratio fused {ms['cudnn'] / ms['fused']:.3f} deterministic {ms['cudnn'] / ms['deterministic']:.3f}"
+              + f" | default {pick}, {'the faster' if pick == faster else 'the slower'} by "
+              + f"{max(ms[m] for m in MODES) / min(ms[m] for m in MODES) - 1:.1%}", flush=True)
+        del replays
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="flash's fused and deterministic backward against SDPA's cuDNN, bf16")
+    parser.add_argument("--graphed", action="store_true", help="replayed from CUDA graphs, around FUSED_MIN's bounds")
+    graph = parser.parse_args().graphed
+    picks = default_modes(GRAPHED_SHAPES if graph else SHAPES)
+    # the Hopper kernels, and either mode, at any size
+    hopper_inputs.MIN_SCORES = hopper_inputs.min_scores_at_every_head_dim(0, 0)
+    hopper_inputs.FUSED_MIN = hopper_inputs.FUSED_AT_EVERY_SIZE
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
+    (graphed if graph else eager)(picks)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Where eager calls should start to run flash's Hopper kernels (hopper/inputs.py, MIN_SCORES): an eager
 forward+backward with each pass on the Triton or the Hopper kernels (TT, HT, TH, HH: forward then backward), against
 SDPA's cuDNN, on a Hopper GPU, bf16, rounds taking turns, triton.testing.do_bench medians with the spread of the rounds.
-The backward runs in the default mode (fused). Near the bounds the host's speed decides, so compare processes.
+The backward runs in its default mode (hopper/inputs.py, FUSED_MIN). Near the bounds the host's speed decides, so
+compare processes.
 
     python scripts/hopper_eager_bounds.py [--rounds 3]
 """

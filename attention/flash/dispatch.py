@@ -138,23 +138,27 @@ def choose_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     backward_ = _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, capability, capped, window, docs)
     backward_reason = _reason(backward_, "backward", q4, causal, replayed, window)
     if backward_ is None:
-        backward_reason += "; " + _backward_mode(window, docs, deterministic_backward(deterministic))[1]
+        backward_reason += "; " + _backward_mode(q4, k4, window, docs, deterministic_backward(deterministic))[1]
     return KernelChoice("triton" if forward_ else "hopper", "triton" if backward_ else "hopper",
                         _reason(forward_, "forward", q4, causal, replayed, window), backward_reason)
 
 
 def deterministic_backward(deterministic: Optional[bool] = None) -> bool:
     """Whether a call's backward must be bitwise reproducible: its own `deterministic` when given, else
-    torch.are_deterministic_algorithms_enabled(), PyTorch's switch. When not, the Hopper backward runs fused without
-    a window or documents (docs/flash.md, Backward modes); every other backward of flash is deterministic either way."""
+    torch.are_deterministic_algorithms_enabled(), PyTorch's switch. When not, the Hopper backward runs fused where
+    that is the faster, without a window or documents (docs/flash.md, Backward modes); every other backward of flash
+    is deterministic either way."""
     return torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
 
 
-def _backward_mode(window: Optional[int], docs: bool, deterministic: bool) -> tuple[bool, str]:
-    """(whether the Hopper backward runs fused, why) for a call with this window and documents."""
+def _backward_mode(q4: torch.Tensor, k4: torch.Tensor, window: Optional[int], docs: bool,
+                   deterministic: bool) -> tuple[bool, str]:
+    """(whether the Hopper backward runs fused, why) for a call on these (batch, heads, seq, d) inputs with this
+    window and documents."""
     if deterministic:
         return False, f"{DETERMINISTIC} (deterministic algorithms asked for)"
-    problem = hopper_inputs.fused_backward_problem(window, docs)
+    b, _, n, d = q4.shape
+    problem = hopper_inputs.fused_backward_problem(b, k4.shape[1], n, d, hopper_inputs.sm_count_of(q4), window, docs)
     return (True, FUSED) if problem is None else (False, f"{DETERMINISTIC} ({problem})")
 
 
@@ -211,7 +215,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
         if _backward_problem(q4, k4, v4, do4, causal, replayed, kernels, None, False, window,
                              bounds is not None) is None:
             lse = lse.contiguous()  # the kernels index it as (b * h, n_q)
-            fused, _ = _backward_mode(window, bounds is not None, deterministic_backward(deterministic))
+            fused, _ = _backward_mode(q4, k4, window, bounds is not None, deterministic_backward(deterministic))
             if not traceable and q.dim() <= 4:
                 return hopper.planned_backward(q, k, v, o, lse, do, causal, scale, window, bounds, fused)
             run = hopper.backward_op if traceable else hopper.run_backward

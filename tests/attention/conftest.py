@@ -32,10 +32,12 @@ def no_eager_plans(monkeypatch):
 
 @pytest.fixture
 def hopper_at_every_size(monkeypatch):
-    """Eager calls take flash's Hopper kernels at any size, where they take the input at all."""
+    """Eager calls take flash's Hopper kernels at any size, where they take the input at all, and the fused backward
+    wherever it takes the input (no window or documents)."""
     from attention.flash.hopper import inputs
 
     monkeypatch.setattr(inputs, "MIN_SCORES", inputs.min_scores_at_every_head_dim(0, 0))
+    monkeypatch.setattr(inputs, "FUSED_MIN", inputs.FUSED_AT_EVERY_SIZE)
 
 
 def dtype_id(dtype: torch.dtype) -> str:

@@ -8,6 +8,9 @@ from typing import Optional
 
 import torch
 
+from attention.flash.common import sm_count
+from attention.flash.hopper.tiles import backward_tiles_for
+
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 CAPABILITY = (9, 0)  # sm_90: wgmma, TMA and warp specialisation as these kernels use them
@@ -76,12 +79,34 @@ def scores(batch_heads: int, n: int, causal: bool, window: Optional[int] = None)
     return min(whole, batch_heads * n * band)
 
 
-def fused_backward_problem(window: Optional[int] = None, docs: bool = False) -> Optional[str]:
+# The two backward kernels side by side run dQ's programs beside dK/dV's, so they take less GPU time than the fused
+# backward where its dK/dV programs (one per 128 keys of a key/value head) fill fewer than "waves" waves of the GPU's
+# SMs, and at d 128 below "seq" keys (replayed from CUDA graphs, H200; docs/flash.md, Backward modes).
+FUSED_MIN = {"waves": 4, "seq": {64: 0, 128: 2048}}
+FUSED_AT_EVERY_SIZE = {"waves": 0, "seq": dict.fromkeys(HEAD_DIMS, 0)}  # for measurements and tests
+OFF_GPU_SMS = 132  # an H100 SXM's or an H200's: what a decision for a capability, not a device, assumes
+
+
+def fused_backward_problem(batch: int, kv_heads: int, n: int, d: int, sms: int, window: Optional[int] = None,
+                           docs: bool = False) -> Optional[str]:
     """Why the Hopper backward runs its dK/dV and dQ kernels side by side rather than fused (dQ added with TMA
-    reductions by the dK/dV kernel), where determinism is not asked for; None when it runs fused."""
+    reductions by the dK/dV kernel), where determinism is not asked for; None when it runs fused. n: the sequence;
+    sms: the GPU's SMs."""
     if window is not None or docs:
         return "the fused backward takes no window or documents"
+    if n < FUSED_MIN["seq"][d]:
+        return f"faster than the fused backward below {FUSED_MIN['seq'][d]} keys at d {d}"
+    rows = backward_tiles_for(d, n, batch * kv_heads, sms, fused=True)["dkdv"].rows
+    programs = batch * kv_heads * -(-n // rows)
+    if programs < FUSED_MIN["waves"] * sms:
+        return (f"faster than the fused backward's {programs} dK/dV program{'s' * (programs != 1)}, under "
+                f"{FUSED_MIN['waves']} waves of {sms} SMs")
     return None
+
+
+def sm_count_of(t: torch.Tensor) -> int:
+    """The SMs of t's GPU; OFF_GPU_SMS for a tensor that is not on one."""
+    return sm_count(t.device.index or 0) if t.is_cuda else OFF_GPU_SMS
 
 
 def device_capability(t: torch.Tensor) -> Optional[tuple[int, int]]:

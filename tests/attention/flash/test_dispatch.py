@@ -112,6 +112,21 @@ def test_backward_mode_follows_torch_deterministic_algorithms(d, window, asked, 
         assert dispatch.DETERMINISTIC in choice.backward_reason and why in choice.backward_reason
 
 
+@requires_gluon
+def test_the_backward_says_why_it_runs_the_two_kernels_where_they_are_the_faster():
+    """Replayed, a short d-128 problem and a GQA one whose dK/dV programs are few run the deterministic pair without
+    being asked to, and the reason says why; a long one runs fused."""
+    short = flash_kernels(*qkv(8, 4, 512, 128), causal=True, capability=SM90, replayed=True)
+    assert short.backward_reason.endswith(f"{dispatch.DETERMINISTIC} (faster than the fused backward below 2048 keys "
+                                          "at d 128)"), short
+    q, k, v = qkv(1, 64, 2048, 128)[0], *qkv(1, 8, 2048, 128)[:2]
+    gqa = flash_kernels(q, k, v, causal=True, capability=SM90, replayed=True)
+    assert gqa.backward_reason.endswith("(faster than the fused backward's 128 dK/dV programs, under 4 waves of "
+                                        f"{hopper_inputs.sm_count_of(q)} SMs)"), gqa
+    assert flash_kernels(*qkv(4, 16, 2048, 128), causal=True, capability=SM90,
+                         replayed=True).backward_reason.endswith(dispatch.FUSED)
+
+
 def test_other_gpus_run_the_triton_kernels():
     choice = flash_kernels(*qkv(*LONG), causal=True, capability=(8, 0))
     assert choice.forward == choice.backward == "triton"

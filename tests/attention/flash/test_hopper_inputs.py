@@ -73,3 +73,27 @@ def test_a_window_counts_the_scores_of_the_tiles_it_visits():
     assert hopper_inputs.scores(2, 1024, False, window=100) == 2 * 1024 * (200 + 128)
     no_window = hopper_inputs.scores(2, 1024, True)
     assert hopper_inputs.scores(2, 1024, True, window=4096) == no_window  # no more than without
+
+
+@pytest.mark.parametrize("shape, kv_heads, sms, why", [
+    ((8, 32, 512, 128), 32, 132, "below 2048 keys at d 128"),
+    ((4, 16, 2048, 128), 16, 132, None),  # 1024 dK/dV programs
+    ((1, 64, 8192, 128), 8, 132, "512 dK/dV programs, under 4 waves of 132 SMs"),
+    ((1, 64, 8192, 128), 8, 114, None),  # the same on a GPU that 512 programs fill four times
+    ((1, 32, 8192, 64), 4, 132, "256 dK/dV programs"),
+    ((8, 32, 512, 64), 32, 132, None),  # d 64 has no bound on the sequence
+    ((1, 16, 8192, 128), 16, 132, None),
+    ((1, 1, 128, 64), 1, 132, "1 dK/dV program,"),
+], ids=str)
+def test_the_fused_backward_runs_where_its_programs_fill_the_gpu(shape, kv_heads, sms, why):
+    """The two kernels side by side run dQ's programs beside dK/dV's: they run where the fused backward's dK/dV
+    programs (one per 128 keys of a key/value head) are under four waves of SMs, and at d 128 below 2048 keys."""
+    b, _, n, d = shape
+    problem = hopper_inputs.fused_backward_problem(b, kv_heads, n, d, sms)
+    assert problem is None if why is None else why in problem, problem
+
+
+def test_the_fused_backward_takes_no_window_or_documents():
+    for kw in ({"window": 256}, {"docs": True}):
+        assert hopper_inputs.fused_backward_problem(1, 16, 8192, 64, 132, **kw) == (
+            "the fused backward takes no window or documents")
