@@ -110,7 +110,8 @@ def graphed(picks: dict[tuple, str], rounds: int = 3) -> None:
         ms = {name: statistics.median(t) for name, t in times.items()}
         pick = picks[b, h, kv, n, d, causal]
         faster = min(MODES, key=ms.get)
-        print(f"B{b} H{h} KV{kv} N{n} D{d} ({b * kv * -(-n // 128)} dK/dV programs): "
+        programs = hopper_inputs.fused_dkdv_programs(b, kv, n, d, sm_count(torch.cuda.current_device()))
+        print(f"B{b} H{h} KV{kv} N{n} D{d} ({programs} dK/dV programs): "
               + " | ".join(f"{name} {t:.4f}" for name, t in ms.items())
               + f" | ratio fused {ms['cudnn'] / ms['fused']:.3f} deterministic {ms['cudnn'] / ms['deterministic']:.3f}"
               + f" | default {pick}, {'the faster' if pick == faster else 'the slower'} by "

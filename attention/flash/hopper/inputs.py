@@ -96,12 +96,17 @@ def fused_backward_problem(batch: int, kv_heads: int, n: int, d: int, sms: int, 
         return "the fused backward takes no window or documents"
     if n < FUSED_MIN["seq"][d]:
         return f"faster than the fused backward below {FUSED_MIN['seq'][d]} keys at d {d}"
-    rows = backward_tiles_for(d, n, batch * kv_heads, sms, fused=True)["dkdv"].rows
-    programs = batch * kv_heads * -(-n // rows)
+    programs = fused_dkdv_programs(batch, kv_heads, n, d, sms)
     if programs < FUSED_MIN["waves"] * sms:
         return (f"faster than the fused backward's {programs} dK/dV program{'s' * (programs != 1)}, under "
                 f"{FUSED_MIN['waves']} waves of {sms} SMs")
     return None
+
+
+def fused_dkdv_programs(batch: int, kv_heads: int, n: int, d: int, sms: int) -> int:
+    """The fused backward's dK/dV programs: one per (batch, key/value head) and tile of key rows."""
+    rows = backward_tiles_for(d, n, batch * kv_heads, sms, fused=True)["dkdv"].rows
+    return batch * kv_heads * -(-n // rows)
 
 
 def sm_count_of(t: torch.Tensor) -> int:
