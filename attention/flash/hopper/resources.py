@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 
 from attention.flash.hopper.host import _shared_layout, _stats_layout
+from attention.flash.hopper.inputs import OFF_GPU_SMS
 from attention.flash.hopper.tiles import HopperTiles, backward_tiles_for, fused_dq_cols, tiles_for
 
-H100_SMS = 132
 # Rows of each TMA block: a consumer's resident rows ("m") or a streamed tile's ("n"), as host.py launches them.
 DESCRIPTOR_ROWS = {
     "fwd": dict(q_desc="m", k_desc="n", v_desc="n", o_desc="m"),
@@ -197,14 +197,14 @@ def dispatch_configs() -> list[tuple[str, int, HopperTiles, bool]]:
               (8, 16, 1024, 128, True)]
     configs = []
     for b, h, n, d, causal in shapes:
-        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, causal=causal), causal))
-        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, docs=True), causal))
-        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, window=1024), causal))
-        configs.append(("fwd", d, tiles_for(d, n, b * h, H100_SMS, window=1024, docs=True), causal))
-        for kind, t in backward_tiles_for(d, n, b * h, H100_SMS).items():
+        configs.append(("fwd", d, tiles_for(d, n, b * h, OFF_GPU_SMS, causal=causal), causal))
+        configs.append(("fwd", d, tiles_for(d, n, b * h, OFF_GPU_SMS, docs=True), causal))
+        configs.append(("fwd", d, tiles_for(d, n, b * h, OFF_GPU_SMS, window=1024), causal))
+        configs.append(("fwd", d, tiles_for(d, n, b * h, OFF_GPU_SMS, window=1024, docs=True), causal))
+        for kind, t in backward_tiles_for(d, n, b * h, OFF_GPU_SMS).items():
             configs.append((kind, d, t, causal))
         # the backward unless deterministic
-        configs.append(("fused", d, backward_tiles_for(d, n, b * h, H100_SMS, fused=True)["dkdv"], causal))
+        configs.append(("fused", d, backward_tiles_for(d, n, b * h, OFF_GPU_SMS, fused=True)["dkdv"], causal))
     return list(dict.fromkeys(configs))
 
 
