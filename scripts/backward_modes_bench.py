@@ -6,6 +6,9 @@ where determinism is not asked for (hopper/inputs.py, FUSED_MIN).
     python scripts/backward_modes_bench.py            # eager forward+backward and backward alone, long sequences
     python scripts/backward_modes_bench.py --graphed  # forward+backward replayed from CUDA graphs, three rounds
                                                       # taking turns, around FUSED_MIN's bounds
+    python scripts/backward_modes_bench.py --gqa      # the same for GQA: the fused backward with a dK/dV program
+                                                      # per query head and per key/value head, around
+                                                      # QUERY_HEAD_PROGRAMS_MIN's bounds
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import argparse
 import os
 import statistics
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from attention import graph_replay  # noqa: E402
+from attention.flash import dispatch  # noqa: E402
 from attention.flash.api import FlashAttention  # noqa: E402
 from attention.flash.common import sm_count  # noqa: E402
 from attention.flash.hopper import inputs as hopper_inputs  # noqa: E402
@@ -43,7 +48,15 @@ GRAPHED_SHAPES = [(8, 32, 32, 512, 128, True), (16, 32, 32, 512, 128, True), (4,
                   (2, 64, 8, 8192, 128, True), (1, 4, 4, 16384, 128, True), (8, 32, 32, 512, 64, True),
                   (4, 20, 20, 1024, 64, True), (16, 12, 12, 1024, 64, True), (2, 16, 16, 2048, 64, True),
                   (1, 16, 16, 4096, 64, True), (1, 32, 4, 8192, 64, True), (1, 64, 8, 8192, 64, True)]
+# GQA, causal, long sequences: groups of 2-16 query heads, d 64 and 128, around QUERY_HEAD_PROGRAMS_MIN.
+GQA_SHAPES = [(1, 64, 8, 8192, 128, True), (1, 32, 4, 8192, 128, True), (2, 64, 8, 8192, 128, True),
+              (1, 32, 2, 8192, 128, True), (1, 32, 8, 8192, 128, True), (1, 32, 8, 16384, 128, True),
+              (1, 32, 16, 16384, 128, True), (1, 64, 8, 4096, 128, True), (8, 16, 4, 4096, 128, True),
+              (1, 32, 4, 8192, 64, True), (1, 64, 8, 8192, 64, True), (1, 16, 4, 16384, 64, True),
+              (8, 16, 4, 4096, 64, True)]
 MODES = ("fused", "deterministic")
+QUERY_HEAD_PROGRAMS = {"query-head": hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE,
+                       "kv-head": {"seq": 2**31, "group": 2}}  # the fused backward's dK/dV programs, forced
 
 
 def times_ms(attend, q, k, v, do) -> tuple[float, float]:
@@ -78,7 +91,7 @@ def attends(causal: bool, scale: float, gqa: bool) -> dict:
 def default_modes(shapes: list[tuple]) -> dict[tuple, str]:
     """The backward flash runs by default (FUSED_MIN as it stands) at each shape."""
     sms = sm_count(torch.cuda.current_device())
-    return {(b, h, kv, n, d, causal): "deterministic" if hopper_inputs.fused_backward_problem(b, kv, n, d, sms)
+    return {(b, h, kv, n, d, causal): "deterministic" if hopper_inputs.fused_backward_problem(b, h, kv, n, d, sms)
             else "fused" for b, h, kv, n, d, causal in shapes}
 
 
@@ -95,40 +108,79 @@ def eager(picks: dict[tuple, str]) -> None:
               f": {cells} | ratio {ratios} | fused backward {flop / rows['fused'][1] / 1e9:.0f} TFLOP/s", flush=True)
 
 
+def _replays(attend: dict, q, k, v, do, programs: Optional[dict] = None) -> dict:
+    """A CUDA-graph replay of forward+backward for each of `attend`'s functions; programs: QUERY_HEAD_PROGRAMS_MIN
+    in force while they are captured (flash's plans are made on the first call of a signature: none is kept)."""
+    replays = {}
+    for name, fn in attend.items():
+        if programs is not None:
+            hopper_inputs.QUERY_HEAD_PROGRAMS_MIN = programs
+            dispatch._plans.clear()
+        with graph_replay():
+            replays[name] = captured(lambda fn=fn: fn(q, k, v).backward(do), "cuda", grad_to_none=[q, k, v])
+    return replays
+
+
+def _medians(replays: dict, rounds: int) -> dict[str, float]:
+    """Median ms of each replay over `rounds` rounds taking turns."""
+    times = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            times[name].append(do_bench(replay, warmup=10, rep=100))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def graphed(picks: dict[tuple, str], rounds: int = 3) -> None:
     print("ms forward+backward replayed from a CUDA graph, median of 3 rounds; ratio = cuDNN's time / flash's")
     for b, h, kv, n, d, causal in GRAPHED_SHAPES:
         q, k, v, do = inputs(b, h, kv, n, d)
-        replays = {}
-        for name, fn in attends(causal, d ** -0.5, kv != h).items():
-            with graph_replay():
-                replays[name] = captured(lambda fn=fn: fn(q, k, v).backward(do), "cuda", grad_to_none=[q, k, v])
-        times = {name: [] for name in replays}
-        for _ in range(rounds):
-            for name, replay in replays.items():
-                times[name].append(do_bench(replay, warmup=10, rep=100))
-        ms = {name: statistics.median(t) for name, t in times.items()}
+        ms = _medians(_replays(attends(causal, d ** -0.5, kv != h), q, k, v, do), rounds)
         pick = picks[b, h, kv, n, d, causal]
         faster = min(MODES, key=ms.get)
-        programs = hopper_inputs.fused_dkdv_programs(b, kv, n, d, sm_count(torch.cuda.current_device()))
+        programs = hopper_inputs.fused_dkdv_programs(b, h, kv, n, d, sm_count(torch.cuda.current_device()))
         print(f"B{b} H{h} KV{kv} N{n} D{d} ({programs} dK/dV programs): "
               + " | ".join(f"{name} {t:.4f}" for name, t in ms.items())
               + f" | ratio fused {ms['cudnn'] / ms['fused']:.3f} deterministic {ms['cudnn'] / ms['deterministic']:.3f}"
               + f" | default {pick}, {'the faster' if pick == faster else 'the slower'} by "
               + f"{max(ms[m] for m in MODES) / min(ms[m] for m in MODES) - 1:.1%}", flush=True)
-        del replays
+
+
+def gqa(picks: dict[tuple, str], rounds: int = 3) -> None:
+    rule = dict(hopper_inputs.QUERY_HEAD_PROGRAMS_MIN)
+    print("ms forward+backward replayed from a CUDA graph, median of 3 rounds; fused with a dK/dV program per query "
+          "head or per key/value head; ratio = cuDNN's time / the faster of flash's")
+    for b, h, kv, n, d, causal in GQA_SHAPES:
+        q, k, v, do = inputs(b, h, kv, n, d)
+        attend = attends(causal, d ** -0.5, True)
+        ms = {}
+        for programs, setting in QUERY_HEAD_PROGRAMS.items():
+            ms[f"fused, {programs}"] = _medians(_replays({"fused": attend["fused"]}, q, k, v, do, setting),
+                                                rounds)["fused"]
+        hopper_inputs.QUERY_HEAD_PROGRAMS_MIN = rule
+        ms.update(_medians(_replays({m: attend[m] for m in ("deterministic", "cudnn")}, q, k, v, do), rounds))
+        flash = {name: t for name, t in ms.items() if name != "cudnn"}
+        pick = picks[b, h, kv, n, d, causal]
+        if pick == "fused":
+            pick += ", query-head" if hopper_inputs.fused_query_head_programs(h, kv, n) else ", kv-head"
+        faster = min(flash, key=flash.get)
+        print(f"B{b} H{h} KV{kv} N{n} D{d}: " + " | ".join(f"{name} {t:.4f}" for name, t in ms.items())
+              + f" | ratio {ms['cudnn'] / flash[faster]:.3f} | default {pick}, "
+              + ("the fastest" if pick == faster else f"{flash[pick] / flash[faster] - 1:.1%} behind {faster}"),
+              flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="flash's fused and deterministic backward against SDPA's cuDNN, bf16")
     parser.add_argument("--graphed", action="store_true", help="replayed from CUDA graphs, around FUSED_MIN's bounds")
-    graph = parser.parse_args().graphed
-    picks = default_modes(GRAPHED_SHAPES if graph else SHAPES)
+    parser.add_argument("--gqa", action="store_true", help="replayed, GQA: query-head against key/value-head programs")
+    args = parser.parse_args()
+    run, shapes = (gqa, GQA_SHAPES) if args.gqa else (graphed, GRAPHED_SHAPES) if args.graphed else (eager, SHAPES)
+    picks = default_modes(shapes)
     # the Hopper kernels, and either mode, at any size
     hopper_inputs.MIN_SCORES = hopper_inputs.min_scores_at_every_head_dim(0, 0)
     hopper_inputs.FUSED_MIN = hopper_inputs.FUSED_AT_EVERY_SIZE
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
-    (graphed if graph else eager)(picks)
+    run(picks)
 
 
 if __name__ == "__main__":

@@ -157,9 +157,16 @@ def _backward_mode(q4: torch.Tensor, k4: torch.Tensor, window: Optional[int], do
     window and documents."""
     if deterministic:
         return False, f"{DETERMINISTIC} (deterministic algorithms asked for)"
-    b, _, n, d = q4.shape
-    problem = hopper_inputs.fused_backward_problem(b, k4.shape[1], n, d, hopper_inputs.sm_count_of(q4), window, docs)
-    return (True, FUSED) if problem is None else (False, f"{DETERMINISTIC} ({problem})")
+    b, h, n, d = q4.shape
+    problem = hopper_inputs.fused_backward_problem(b, h, k4.shape[1], n, d, hopper_inputs.sm_count_of(q4), window,
+                                                   docs)
+    if problem is not None:
+        return False, f"{DETERMINISTIC} ({problem})"
+    if hopper_inputs.fused_query_head_programs(h, k4.shape[1], n):
+        least = hopper_inputs.QUERY_HEAD_PROGRAMS_MIN
+        return True, (f"{FUSED}; a dK/dV program per query head, the heads' shares of dK and dV summed after (GQA "
+                      f"groups of {least['group']} or more from {least['seq']} keys)")
+    return True, FUSED
 
 
 def checked_scale(scale: float) -> float:

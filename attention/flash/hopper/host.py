@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of, sm_count
-from attention.flash.hopper.inputs import rows_index
+from attention.flash.hopper.inputs import fused_query_head_programs, rows_index
 from attention.flash.hopper.tiles import FUSED_REGS, HopperTiles, backward_tiles_for, fused_dq_cols, tiles_for
 from attention.flash.triton.host import Launch, delta_and_launch, dq_from_accumulator, plannable, work_order
 
@@ -186,8 +186,13 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     b, h, n, d = q.shape
     tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0), dq_acc is not None), **(tiles or {})}
     if dq_acc is not None:
-        dkdv = backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks, dq_acc)
-        return (*dkdv, dq_from_accumulator(dq_acc, dq, scale), ())
+        shares = query_head_shares(q, k)
+        dkdv = backward_dkdv(q, k, v, do, lse, delta, *(shares or (dk, dv)), causal, scale, tiles["dkdv"], masks,
+                             dq_acc)
+        dq_pass = dq_from_accumulator(dq_acc, dq, scale)
+        if shares is not None:
+            sum_shares(shares, dk, dv)
+        return (*dkdv, dq_pass, ())
     dkdv, dq_pass = _side_by_side(
         q.device.index or 0,
         lambda: backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks),
@@ -337,15 +342,17 @@ class ForwardPlan:
 class BackwardPlan:
     """The delta pre-pass and backward() of one input signature, resolved: `plan(q, k, v, o, lse, do, bounds)`,
     bounds as in ForwardPlan; accumulator_shape: the fused backward's dQ accumulator's (backward()), None when the
-    plan runs the two kernels."""
+    plan runs the two kernels; share_shape: that of the query heads' shares of dK and dV its dK/dV programs write
+    (query_head_shares), None when they write dK and dV."""
 
-    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape", "accumulator_shape")
+    __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape", "accumulator_shape", "share_shape")
 
     def __init__(self, delta: Launch, resolved: tuple, delta_shape: tuple[int, ...],
-                 accumulator_shape: Optional[tuple[int, ...]] = None):
+                 accumulator_shape: Optional[tuple[int, ...]] = None,
+                 share_shape: Optional[tuple[int, ...]] = None):
         self.delta, self.delta_shape, self.accumulator_shape = delta, delta_shape, accumulator_shape
         self.dkdv, dkdv_descs, self.dq, dq_descs = resolved
-        self.dkdv_descs, self.dq_descs = _released(dkdv_descs), _released(dq_descs)
+        self.dkdv_descs, self.dq_descs, self.share_shape = _released(dkdv_descs), _released(dq_descs), share_shape
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                  do: torch.Tensor, bounds: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -355,8 +362,14 @@ class BackwardPlan:
         if self.accumulator_shape is not None:
             acc = empty(self.accumulator_shape, torch.float32, q.device)
             self.delta(o, do, delta, acc)  # which zeroes acc
-            _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta, acc), *bounds)
+            shares = None
+            if self.share_shape is not None:
+                shares = empty(self.share_shape, q.dtype, q.device), empty(self.share_shape, q.dtype, q.device)
+            _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, *(shares or (dk, dv)), lse, delta, acc),
+                            *bounds)
             self.dq(acc, dq)
+            if shares is not None:
+                sum_shares(shares, as_bhsd(dk), as_bhsd(dv))
             return dq, dk, dv
         self.delta(o, do, delta, delta)
         _side_by_side(q.device.index or 0,
@@ -385,8 +398,11 @@ def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
     usable = plannable(q, k, v, o, do) and lse.is_contiguous()
     if not usable:
         return dq, dk, dv, None
-    shape = accumulator_shape(as_bhsd(q)) if fused else None
-    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), shape)
+    q4, k4 = as_bhsd(q), as_bhsd(k)
+    shape = accumulator_shape(q4) if fused else None
+    shares = fused and fused_query_head_programs(q4.shape[1], k4.shape[1], q4.shape[2])
+    return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), shape,
+                                    tuple(q4.shape) if shares else None)
 
 
 @functools.cache
@@ -410,25 +426,49 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     """The dK/dV kernel of `backward`: t.block_m key rows per consumer, query tiles of t.block_n streamed; a program
     per (batch, key/value head) and key rows, over the query tiles of its group's heads. With dq_acc
     (accumulator_shape(q), zeroed) it adds dQ there too (the fused backward); the last descriptor returned is then the
-    accumulator's, else None stands in its place."""
+    accumulator's, else None stands in its place.
+
+    dk and dv are like k and v, or, fused with GQA, shares of them (query_head_shares): a program per (batch, query
+    head) then writes its head's share, and the caller sums them (sum_shares)."""
     import triton
 
     from attention.flash.hopper.kernels import attn_bwd_dkdv_hopper
 
     b, h, n, d = q.shape
+    kv = k.shape[1]
+    shares = dk.shape[1] != kv
+    if shares and (dq_acc is None or tuple(dk.shape) != tuple(q.shape) or not dk.is_contiguous()):
+        raise ValueError("shares of dK and dV are for the fused backward, contiguous and shaped like q")
     _check_tiles(n, t)
     descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
     starts, ends, window = masks.arguments(lse)
-    descs = (*descs, _output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m),
-             _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
+    outputs = ((_descriptor(dk, t.block_m)[0], _descriptor(dv, t.block_m)[0]) if shares else
+               (_output_descriptor(dk, indices[1], t.block_m), _output_descriptor(dv, indices[2], t.block_m)))
+    descs = (*descs, *outputs, _row_stats_descriptor(lse, t.block_n), _row_stats_descriptor(delta, t.block_n),
              None if dq_acc is None else _accumulator_descriptor(dq_acc, fused_dq_cols(d, t.consumers), t.block_n))
-    grid = (triton.cdiv(n, t.rows), b * k.shape[1])
+    grid = (triton.cdiv(n, t.rows), b * (h if shares else kv))
     args = (*descs, starts, ends, *(x for index in indices for x in index), h, n, window, scale * math.log2(math.e),
             scale)
-    meta = dict(_meta(t, causal, h // k.shape[1], **masks.constexprs()), FUSED=False, DS_LAYOUT=None, DQ_REGS=0)
+    meta = dict(_meta(t, causal, 1 if shares else h // kv, **masks.constexprs()), FUSED=False, DS_LAYOUT=None,
+                DQ_REGS=0, SHARED_KV=h // kv if shares else 1)
     if dq_acc is not None:
         meta.update(fused_meta(t, d, q.dtype))
     return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
+
+
+def query_head_shares(q: torch.Tensor, k: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Where the fused backward runs a dK/dV program per query head (inputs.fused_query_head_programs): empty
+    (batch, heads, seq, d) tensors for each query head's share of dK and dV; else None."""
+    if not fused_query_head_programs(q.shape[1], k.shape[1], q.shape[2]):
+        return None
+    return empty(tuple(q.shape), q.dtype, q.device), empty(tuple(q.shape), q.dtype, q.device)
+
+
+def sum_shares(shares: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """dk and dv ((batch, kv heads, seq, d) views) = the sums of the query heads' shares over each group, in fp32."""
+    for share, out in zip(shares, (dk, dv)):
+        b, kv, n, d = out.shape
+        torch.sum(share.view(b, kv, share.shape[1] // kv, n, d), dim=2, out=out)
 
 
 def accumulator_shape(q: torch.Tensor) -> tuple[int, int, int]:

@@ -87,8 +87,8 @@ FUSED_AT_EVERY_SIZE = {"waves": 0, "seq": dict.fromkeys(HEAD_DIMS, 0)}  # for me
 OFF_GPU_SMS = 132  # an H100 SXM's or an H200's: what a decision for a capability, not a device, assumes
 
 
-def fused_backward_problem(batch: int, kv_heads: int, n: int, d: int, sms: int, window: Optional[int] = None,
-                           docs: bool = False) -> Optional[str]:
+def fused_backward_problem(batch: int, heads: int, kv_heads: int, n: int, d: int, sms: int,
+                           window: Optional[int] = None, docs: bool = False) -> Optional[str]:
     """Why the Hopper backward runs its dK/dV and dQ kernels side by side rather than fused (dQ added with TMA
     reductions by the dK/dV kernel), where determinism is not asked for; None when it runs fused. n: the sequence;
     sms: the GPU's SMs."""
@@ -96,17 +96,32 @@ def fused_backward_problem(batch: int, kv_heads: int, n: int, d: int, sms: int, 
         return "the fused backward takes no window or documents"
     if n < FUSED_MIN["seq"][d]:
         return f"faster than the fused backward below {FUSED_MIN['seq'][d]} keys at d {d}"
-    programs = fused_dkdv_programs(batch, kv_heads, n, d, sms)
+    programs = fused_dkdv_programs(batch, heads, kv_heads, n, d, sms)
     if programs < FUSED_MIN["waves"] * sms:
         return (f"faster than the fused backward's {programs} dK/dV program{'s' * (programs != 1)}, under "
                 f"{FUSED_MIN['waves']} waves of {sms} SMs")
     return None
 
 
-def fused_dkdv_programs(batch: int, kv_heads: int, n: int, d: int, sms: int) -> int:
-    """The fused backward's dK/dV programs: one per (batch, key/value head) and tile of key rows."""
+def fused_dkdv_programs(batch: int, heads: int, kv_heads: int, n: int, d: int, sms: int) -> int:
+    """The fused backward's dK/dV programs: one per (batch, key/value head) and tile of key rows, or per query head
+    (fused_query_head_programs)."""
     rows = backward_tiles_for(d, n, batch * kv_heads, sms, fused=True)["dkdv"].rows
-    return batch * kv_heads * -(-n // rows)
+    return batch * (heads if fused_query_head_programs(heads, kv_heads, n) else kv_heads) * -(-n // rows)
+
+
+# With GQA the fused backward's dK/dV program streams its group's query heads one after another, reading their Q and
+# dO and adding to their dQ. For groups of at least "group" query heads and sequences of at least "seq" keys it runs
+# a program per query head instead, which streams that head alone; the heads' shares of dK and dV are summed after.
+# Measured faster there, and level or slower for groups of 4 or below 8192 keys (H200; docs/flash.md, Backward modes).
+QUERY_HEAD_PROGRAMS_MIN = {"seq": 8192, "group": 8}
+QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE = {"seq": 0, "group": 2}  # for measurements and tests
+
+
+def fused_query_head_programs(heads: int, kv_heads: int, n: int) -> bool:
+    """Whether the fused backward runs a dK/dV program per query head, each writing its head's share of dK and dV
+    for the host to sum over the group, rather than one per key/value head."""
+    return heads >= QUERY_HEAD_PROGRAMS_MIN["group"] * kv_heads and n >= QUERY_HEAD_PROGRAMS_MIN["seq"]
 
 
 def sm_count_of(t: torch.Tensor) -> int:

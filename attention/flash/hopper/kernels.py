@@ -848,8 +848,8 @@ def _next_scores(a, b_smem, ready, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, k_row, k_col, v_row,
-               v_col, first_key, first, full_lo, full_hi, lo, hi, n_tiles, START, END, window, qk_scale, scale,
+def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, dk_row, dk_col, dv_row,
+               dv_col, first_key, first, full_lo, full_hi, lo, hi, n_tiles, START, END, window, qk_scale, scale,
                shared_ds, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr):
     """dK and dV of one consumer's BLOCK_M key rows over streamed query tiles [lo, hi) (of GROUP query heads in
@@ -935,15 +935,15 @@ def _dkdv_rows(dk_desc, dv_desc, k, v, q_smem, do_smem, lse_smem, delta_smem, re
     k.store((dk * scale).to(dtype))  # dS was taken w.r.t. the scaled scores
     v.store(dv.to(dtype))
     fence_async_shared()
-    _tma_store(dk_desc, [k_row, k_col], k)
-    _tma_store(dv_desc, [v_row, v_col], v)
+    _tma_store(dk_desc, [dk_row, dk_col], k)
+    _tma_store(dv_desc, [dv_row, dv_col], v)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, res_ready,
-                   ready, empty, k_row, k_col, v_row, v_col, n0, N, first, n_tiles, window, qk_scale, scale, ds_smem,
-                   ds_ready, ds_free, k_read, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+                   ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first, n_tiles, window, qk_scale, scale,
+                   ds_smem, ds_ready, ds_free, k_read, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
                    WINDOW: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, GROUP: gl.constexpr, FUSED: gl.constexpr = False, dq_share=None):
     first_key = n0 + CONSUMER * BLOCK_M
@@ -964,10 +964,10 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
                                                    CAUSAL, WINDOW, DOCS, False, BLOCK_N)
             _release(ready, empty, 0, lo - first, STAGES)
             _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
-                       delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
-                       first_key, first, full_lo - first, full_hi - first, lo - first, hi - first, n_tiles, START,
-                       END, window, qk_scale, scale, shared_ds, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP,
-                       False)
+                       delta_smem, ready, empty, dk_row + CONSUMER * BLOCK_M, dk_col, dv_row + CONSUMER * BLOCK_M,
+                       dv_col, first_key, first, full_lo - first, full_hi - first, lo - first, hi - first, n_tiles,
+                       START, END, window, qk_scale, scale, shared_ds, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES,
+                       GROUP, False)
             n_done = hi - first
         _release(ready, empty, n_done, n_tiles, STAGES)
     elif first_key < N:
@@ -976,7 +976,7 @@ def _dkdv_consumer(dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem
         _, full_lo, full_hi, _ = _tile_range(first_key, first_key + BLOCK_M - 1, N, window, START, END, CAUSAL,
                                              WINDOW, DOCS, False, BLOCK_N)
         _dkdv_rows(dk_desc, dv_desc, k_smem.index(CONSUMER), v_smem.index(CONSUMER), q_smem, do_smem, lse_smem,
-                   delta_smem, ready, empty, k_row + CONSUMER * BLOCK_M, k_col, v_row + CONSUMER * BLOCK_M, v_col,
+                   delta_smem, ready, empty, dk_row + CONSUMER * BLOCK_M, dk_col, dv_row + CONSUMER * BLOCK_M, dv_col,
                    first_key, first, full_lo - first, full_hi - first, 0, n_tiles, n_tiles, START, END, window,
                    qk_scale, scale, shared_ds, CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, FUSED)
     else:
@@ -992,6 +992,7 @@ def attn_bwd_dkdv_hopper(
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     FUSED: gl.constexpr = False, DS_LAYOUT: gl.constexpr = None, DQ_REGS: gl.constexpr = 0,
+    SHARED_KV: gl.constexpr = 1,
 ):
     """dK and dV for NUM_CONSUMERS * BLOCK_M key rows of one (batch, key/value head), query tiles of BLOCK_N streamed.
 
@@ -1005,17 +1006,23 @@ def attn_bwd_dkdv_hopper(
     to the zeroed fp32 (batch * heads * seq, d) accumulator that dq_acc_desc describes, in blocks of all of d (by a
     warpgroup of its own, _dq_partition) or of each consumer's share of d (split, BLOCK_N 64: _dkdv_split_tile);
     DS_LAYOUT is the shared layout of a consumer's (BLOCK_M, BLOCK_N) dS^T. Otherwise dq_acc_desc is None.
+
+    SHARED_KV > 1 (FUSED, GROUP 1): a program per (batch, query head), whose SHARED_KV query heads share a key/value
+    head: it reads K and V of head h // SHARED_KV and writes this query head's share of dK and dV through dk_desc and
+    dv_desc, (batch * H * N, D) rows, for the host to sum over the group.
     """
     dtype: gl.constexpr = k_desc.dtype
     D: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = BLOCK_M * NUM_CONSUMERS
 
     pid_n = gl.program_id(0)  # causal: the first key rows see the most queries, and launch first
-    bh = gl.program_id(1)  # (batch, key/value head)
+    bh = gl.program_id(1)  # (batch, key/value head), or with SHARED_KV (batch, query head)
     b = bh // (H // GROUP)
-    h = bh % (H // GROUP)  # the key/value head
+    h = bh % (H // GROUP)  # the key/value head, or with SHARED_KV the query head
     hq = h * GROUP  # its first query head
     n0 = pid_n * ROWS
+    gl.static_assert(SHARED_KV == 1 or (FUSED and GROUP == 1), "SHARED_KV: the fused backward, a query head each")
+    kv_h = h // SHARED_KV
     if DOCS:
         START += b * N
         END += b * N
@@ -1032,10 +1039,17 @@ def attn_bwd_dkdv_hopper(
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], delta_desc.layout)
     res_ready, ready, empty = _ring_barriers(STAGES, NUM_CONSUMERS)
 
-    k_row = b * k_rows_b + h * k_rows_h + n0
-    k_col = h * k_cols_h
-    v_row = b * v_rows_b + h * v_rows_h + n0
-    v_col = h * v_cols_h
+    k_row = b * k_rows_b + kv_h * k_rows_h + n0
+    k_col = kv_h * k_cols_h
+    v_row = b * v_rows_b + kv_h * v_rows_h + n0
+    v_col = kv_h * v_cols_h
+    if SHARED_KV > 1:  # this query head's share of dK and dV, in rows of its own
+        dk_row = (b * H + h) * N + n0
+        dk_col = 0
+        dv_row = dk_row
+        dv_col = 0
+    else:
+        dk_row, dk_col, dv_row, dv_col = k_row, k_col, v_row, v_col
     lse_base = (b * H + hq) * N
     q_row = b * q_rows_b + hq * q_rows_h
     do_row = b * do_rows_b + hq * do_rows_h
@@ -1070,11 +1084,11 @@ def attn_bwd_dkdv_hopper(
             dq_share = (k_smem, dq_smem, dq_full, dq_empty)
             gl.warp_specialize([
                 (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  delta_smem, res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first,
                                   GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0,
                                   CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True, dq_share)),
                 (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  delta_smem, res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first,
                                   GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1,
                                   CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True, dq_share)),
                 (_dq_writer, (dq_smem, dq_acc_desc, dq_full, dq_empty, dq_row, N, first, GROUP * n_tiles, GROUP,
@@ -1088,11 +1102,11 @@ def attn_bwd_dkdv_hopper(
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, D], dq_acc_desc.layout)
             gl.warp_specialize([
                 (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  delta_smem, res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first,
                                   GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 0,
                                   CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
                 (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                                  delta_smem, res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first,
+                                  delta_smem, res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first,
                                   GROUP * n_tiles, window, qk_scale, scale, ds_smem, ds_ready, ds_free, k_read, 1,
                                   CAUSAL, WINDOW, DOCS, BLOCK_M, BLOCK_N, STAGES, GROUP, True)),
                 (_dq_partition, (k_smem, ds_smem, dq_smem, ds_ready, ds_free, k_read, res_ready, dq_acc_desc, dq_row,
@@ -1105,11 +1119,11 @@ def attn_bwd_dkdv_hopper(
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first, GROUP * n_tiles,
                               window, qk_scale, scale, k_smem, ready, empty, res_ready, 0, CAUSAL, WINDOW, DOCS,
                               BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first, GROUP * n_tiles,
                               window, qk_scale, scale, k_smem, ready, empty, res_ready, 1, CAUSAL, WINDOW, DOCS,
                               BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,
@@ -1121,15 +1135,15 @@ def attn_bwd_dkdv_hopper(
         gl.static_assert(NUM_CONSUMERS == 3, "2 or 3 consumer warpgroups")
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first, GROUP * n_tiles,
                               window, qk_scale, scale, k_smem, ready, empty, res_ready, 0, CAUSAL, WINDOW, DOCS,
                               BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first, GROUP * n_tiles,
                               window, qk_scale, scale, k_smem, ready, empty, res_ready, 1, CAUSAL, WINDOW, DOCS,
                               BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_dkdv_consumer, (dk_desc, dv_desc, START, END, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                              res_ready, ready, empty, k_row, k_col, v_row, v_col, n0, N, first, GROUP * n_tiles,
+                              res_ready, ready, empty, dk_row, dk_col, dv_row, dv_col, n0, N, first, GROUP * n_tiles,
                               window, qk_scale, scale, k_smem, ready, empty, res_ready, 2, CAUSAL, WINDOW, DOCS,
                               BLOCK_M, BLOCK_N, STAGES, GROUP)),
             (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, res_ready, ready, empty,

@@ -127,6 +127,18 @@ def test_the_backward_says_why_it_runs_the_two_kernels_where_they_are_the_faster
                          replayed=True).backward_reason.endswith(dispatch.FUSED)
 
 
+@requires_gluon
+def test_long_gqa_of_large_groups_says_it_runs_a_program_per_query_head():
+    """GQA groups of 8 from 8192 keys run the fused backward with a dK/dV program per query head, and say so; groups
+    of 4 keep a program per key/value head."""
+    q = qkv(1, 64, 8192, 128)[0]
+    large = flash_kernels(q, *qkv(1, 8, 8192, 128)[:2], causal=True, capability=SM90, replayed=True)
+    assert large.backward_reason.endswith(f"{dispatch.FUSED}; a dK/dV program per query head, the heads' shares of dK "
+                                          "and dV summed after (GQA groups of 8 or more from 8192 keys)"), large
+    small = flash_kernels(q, *qkv(1, 16, 8192, 128)[:2], causal=True, capability=SM90, replayed=True)
+    assert small.backward_reason.endswith(dispatch.FUSED), small
+
+
 def test_other_gpus_run_the_triton_kernels():
     choice = flash_kernels(*qkv(*LONG), causal=True, capability=(8, 0))
     assert choice.forward == choice.backward == "triton"

@@ -345,9 +345,16 @@ def test_backward_replays_in_a_cuda_graph(hopper_at_every_size, deterministic):
 @pytest.mark.parametrize("h, h_kv, n", [(4, 4, 384), (4, 1, 512), (6, 2, 256), (2, 2, 128)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype, d):
+@pytest.mark.parametrize("per_query_head", [False, True], ids=["kv-head programs", "query-head programs"])
+def test_fused_backward_matches_float64(monkeypatch, layout, causal, h, h_kv, n, dtype, d, per_query_head):
     """The fused backward (the dK/dV kernel adds dQ with TMA reductions; at d 128 each consumer its half of d): every
-    gradient element written, each within the deterministic backward's tolerance of float64, MHA and GQA."""
+    gradient element written, each within the deterministic backward's tolerance of float64, MHA and GQA; GQA with a
+    dK/dV program per key/value head or, as large groups of long sequences (QUERY_HEAD_PROGRAMS_MIN), per query head
+    (its shares of dK and dV summed after)."""
+    if per_query_head and h == h_kv:
+        pytest.skip("MHA has one query head per key/value head")
+    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE
+                        if per_query_head else {"seq": 2**31, "group": 2})
     b, scale = 2, d ** -0.5
     q = make_qkv(b, h, n, d, dtype, layout, seed=n + h)[0]
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=n + 7)[:2]
@@ -359,6 +366,48 @@ def test_fused_backward_matches_float64(layout, causal, h, h_kv, n, dtype, d):
     for name, got, want in zip(("dq", "dk", "dv"), grads, grads64):
         assert got.stride() == {"dq": q, "dk": k, "dv": v}[name].stride()
         assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
+
+
+@requires_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_gqa_sums_query_head_shares_in_plans_and_graphs(hopper_at_every_size, monkeypatch, d):
+    """Where QUERY_HEAD_PROGRAMS_MIN says, the fused backward of GQA sums each query head's share of dK and dV: on
+    the first call, from flash's plan on the second, and replayed from a CUDA graph, each within the deterministic
+    backward's tolerance."""
+    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", {"seq": 512, "group": 4})
+    sums = []
+    real = hopper.sum_shares
+    monkeypatch.setattr(hopper, "sum_shares", lambda *a: sums.append(1) or real(*a))
+    flash = get_attention("flash")
+    q = make_qkv(2, 8, 512, d, torch.bfloat16, "bshd", seed=d)[0].requires_grad_()
+    k, v = (t.requires_grad_() for t in make_qkv(2, 2, 512, d, torch.bfloat16, "bshd", seed=d + 3)[:2])
+    do = randn(2, 8, 512, d, seed=5, dtype=torch.bfloat16)
+    runs = [torch.autograd.grad(flash(q, k, v, causal=True), (q, k, v), do) for _ in range(2)]
+    assert sums == [1, 1]  # the second call ran its plan
+    detached = [t.detach() for t in (q, k, v)]
+    args = (*detached, *flash_forward(*detached, True, d ** -0.5), do, True, d ** -0.5)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as torch.cuda.graphs asks
+        flash_backward(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_backward(*args)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(sums) == 4
+    torch.use_deterministic_algorithms(True)
+    try:
+        want = torch.autograd.grad(flash(q, k, v, causal=True), (q, k, v), do)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for got in (*runs, captured):
+        for g, w in zip(got, want):
+            assert g.stride() == w.stride()
+            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
 
 
 @requires_hopper

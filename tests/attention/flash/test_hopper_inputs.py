@@ -78,9 +78,11 @@ def test_a_window_counts_the_scores_of_the_tiles_it_visits():
 @pytest.mark.parametrize("shape, kv_heads, sms, why", [
     ((8, 32, 512, 128), 32, 132, "below 2048 keys at d 128"),
     ((4, 16, 2048, 128), 16, 132, None),  # 1024 dK/dV programs
-    ((1, 64, 8192, 128), 8, 132, "512 dK/dV programs, under 4 waves of 132 SMs"),
-    ((1, 64, 8192, 128), 8, 114, None),  # the same on a GPU that 512 programs fill four times
-    ((1, 32, 8192, 64), 4, 132, "256 dK/dV programs"),
+    ((1, 8, 8192, 128), 8, 132, "512 dK/dV programs, under 4 waves of 132 SMs"),
+    ((1, 8, 8192, 128), 8, 114, None),  # the same on a GPU that 512 programs fill four times
+    ((1, 64, 4096, 128), 8, 132, "256 dK/dV programs"),  # GQA below 8192 keys: a program per key/value head
+    ((1, 32, 8192, 64), 8, 132, "512 dK/dV programs"),  # groups of 4 too
+    ((1, 64, 8192, 128), 8, 132, None),  # groups of 8 from 8192 keys: a program per query head, 4096 of them
     ((8, 32, 512, 64), 32, 132, None),  # d 64 has no bound on the sequence
     ((1, 16, 8192, 128), 16, 132, None),
     ((1, 1, 128, 64), 1, 132, "1 dK/dV program,"),
@@ -88,12 +90,22 @@ def test_a_window_counts_the_scores_of_the_tiles_it_visits():
 def test_the_fused_backward_runs_where_its_programs_fill_the_gpu(shape, kv_heads, sms, why):
     """The two kernels side by side run dQ's programs beside dK/dV's: they run where the fused backward's dK/dV
     programs (one per 128 keys of a key/value head) are under four waves of SMs, and at d 128 below 2048 keys."""
-    b, _, n, d = shape
-    problem = hopper_inputs.fused_backward_problem(b, kv_heads, n, d, sms)
+    b, h, n, d = shape
+    problem = hopper_inputs.fused_backward_problem(b, h, kv_heads, n, d, sms)
     assert problem is None if why is None else why in problem, problem
 
 
 def test_the_fused_backward_takes_no_window_or_documents():
     for kw in ({"window": 256}, {"docs": True}):
-        assert hopper_inputs.fused_backward_problem(1, 16, 8192, 64, 132, **kw) == (
+        assert hopper_inputs.fused_backward_problem(1, 16, 16, 8192, 64, 132, **kw) == (
             "the fused backward takes no window or documents")
+
+
+@pytest.mark.parametrize("heads, kv_heads, n, per_query_head", [
+    (64, 8, 8192, True), (32, 2, 16384, True), (64, 8, 4096, False), (32, 8, 16384, False), (16, 16, 16384, False)])
+def test_long_gqa_of_large_groups_runs_a_fused_program_per_query_head(heads, kv_heads, n, per_query_head):
+    """With groups of 8 query heads or more, from 8192 keys (QUERY_HEAD_PROGRAMS_MIN), the fused backward's dK/dV
+    programs take a query head each, so they count heads, not key/value heads."""
+    assert hopper_inputs.fused_query_head_programs(heads, kv_heads, n) == per_query_head
+    programs = hopper_inputs.fused_dkdv_programs(2, heads, kv_heads, n, 128, 132)
+    assert programs == 2 * (heads if per_query_head else kv_heads) * n // 128
