@@ -80,10 +80,11 @@ def scores(batch_heads: int, n: int, causal: bool, window: Optional[int] = None)
 
 
 # The two backward kernels side by side run dQ's programs beside dK/dV's, so they take less GPU time than the fused
-# backward where its dK/dV programs (one per 128 keys of a key/value head) fill fewer than "waves" waves of the GPU's
-# SMs, and at d 128 below "seq" keys (replayed from CUDA graphs, H200; docs/flash.md, Backward modes).
-FUSED_MIN = {"waves": 4, "seq": {64: 0, 128: 2048}}
-FUSED_AT_EVERY_SIZE = {"waves": 0, "seq": dict.fromkeys(HEAD_DIMS, 0)}  # for measurements and tests
+# backward where its dK/dV programs (fused_dkdv_programs) fill fewer waves of the GPU's SMs than "waves" says, by the
+# sequence length each bound holds from (from 16384 keys the programs' streams are long: 512 of them on 132 SMs ran
+# faster fused), and at d 128 below "seq" keys (replayed from CUDA graphs, H200; docs/flash.md, Backward modes).
+FUSED_MIN = {"waves": {0: 4, 16384: 3}, "seq": {64: 0, 128: 2048}}
+FUSED_AT_EVERY_SIZE = {"waves": {0: 0}, "seq": dict.fromkeys(HEAD_DIMS, 0)}  # for measurements and tests
 OFF_GPU_SMS = 132  # an H100 SXM's or an H200's: what a decision for a capability, not a device, assumes
 
 
@@ -97,9 +98,10 @@ def fused_backward_problem(batch: int, heads: int, kv_heads: int, n: int, d: int
     if n < FUSED_MIN["seq"][d]:
         return f"faster than the fused backward below {FUSED_MIN['seq'][d]} keys at d {d}"
     programs = fused_dkdv_programs(batch, heads, kv_heads, n, d, sms)
-    if programs < FUSED_MIN["waves"] * sms:
+    waves = FUSED_MIN["waves"][max(seq for seq in FUSED_MIN["waves"] if seq <= n)]
+    if programs < waves * sms:
         return (f"faster than the fused backward's {programs} dK/dV program{'s' * (programs != 1)}, under "
-                f"{FUSED_MIN['waves']} waves of {sms} SMs")
+                f"{waves} waves of {sms} SMs")
     return None
 
 

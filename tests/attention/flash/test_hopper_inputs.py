@@ -83,13 +83,16 @@ def test_a_window_counts_the_scores_of_the_tiles_it_visits():
     ((1, 64, 4096, 128), 8, 132, "256 dK/dV programs"),  # GQA below 8192 keys: a program per key/value head
     ((1, 32, 8192, 64), 8, 132, "512 dK/dV programs"),  # groups of 4 too
     ((1, 64, 8192, 128), 8, 132, None),  # groups of 8 from 8192 keys: a program per query head, 4096 of them
+    ((1, 4, 16384, 128), 4, 132, None),  # 512 programs: from 16384 keys three waves suffice
+    ((1, 2, 16384, 128), 2, 132, "256 dK/dV programs, under 3 waves of 132 SMs"),
     ((8, 32, 512, 64), 32, 132, None),  # d 64 has no bound on the sequence
     ((1, 16, 8192, 128), 16, 132, None),
     ((1, 1, 128, 64), 1, 132, "1 dK/dV program,"),
 ], ids=str)
 def test_the_fused_backward_runs_where_its_programs_fill_the_gpu(shape, kv_heads, sms, why):
     """The two kernels side by side run dQ's programs beside dK/dV's: they run where the fused backward's dK/dV
-    programs (one per 128 keys of a key/value head) are under four waves of SMs, and at d 128 below 2048 keys."""
+    programs (one per 128 keys of a key/value head) are under four waves of SMs (three from 16384 keys), and at d 128
+    below 2048 keys."""
     b, h, n, d = shape
     problem = hopper_inputs.fused_backward_problem(b, h, kv_heads, n, d, sms)
     assert problem is None if why is None else why in problem, problem
