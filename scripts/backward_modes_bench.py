@@ -6,8 +6,8 @@ where determinism is not asked for (hopper/inputs.py, FUSED_MIN).
     python scripts/backward_modes_bench.py            # eager forward+backward and backward alone, long sequences
     python scripts/backward_modes_bench.py --graphed  # forward+backward replayed from CUDA graphs, three rounds
                                                       # taking turns, around FUSED_MIN's bounds
-    python scripts/backward_modes_bench.py --gqa      # the same for GQA: the fused backward with a dK/dV program
-                                                      # per query head and per key/value head, around
+    python scripts/backward_modes_bench.py --gqa      # the same for GQA: both modes with a dK/dV program per
+                                                      # query head and per key/value head, around
                                                       # QUERY_HEAD_PROGRAMS_MIN's bounds
 """
 from __future__ import annotations
@@ -48,15 +48,18 @@ GRAPHED_SHAPES = [(8, 32, 32, 512, 128, True), (16, 32, 32, 512, 128, True), (4,
                   (2, 64, 8, 8192, 128, True), (1, 4, 4, 16384, 128, True), (8, 32, 32, 512, 64, True),
                   (4, 20, 20, 1024, 64, True), (16, 12, 12, 1024, 64, True), (2, 16, 16, 2048, 64, True),
                   (1, 16, 16, 4096, 64, True), (1, 32, 4, 8192, 64, True), (1, 64, 8, 8192, 64, True)]
-# GQA, causal, long sequences: groups of 2-16 query heads, d 64 and 128, around QUERY_HEAD_PROGRAMS_MIN.
+# GQA, causal: groups of 2-16 query heads, 2048-16384 keys, d 64 and 128, around QUERY_HEAD_PROGRAMS_MIN.
 GQA_SHAPES = [(1, 64, 8, 8192, 128, True), (1, 32, 4, 8192, 128, True), (2, 64, 8, 8192, 128, True),
-              (1, 32, 2, 8192, 128, True), (1, 32, 8, 8192, 128, True), (1, 32, 8, 16384, 128, True),
-              (1, 32, 16, 16384, 128, True), (1, 64, 8, 4096, 128, True), (8, 16, 4, 4096, 128, True),
-              (1, 32, 4, 8192, 64, True), (1, 64, 8, 8192, 64, True), (1, 16, 4, 16384, 64, True),
-              (8, 16, 4, 4096, 64, True)]
-MODES = ("fused", "deterministic")
-QUERY_HEAD_PROGRAMS = {"query-head": hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE,
-                       "kv-head": {"seq": 2**31, "group": 2}}  # the fused backward's dK/dV programs, forced
+              (1, 32, 2, 8192, 128, True), (1, 64, 4, 8192, 128, True), (2, 32, 2, 8192, 128, True),
+              (1, 128, 8, 8192, 128, True), (1, 32, 8, 8192, 128, True), (1, 32, 2, 16384, 128, True),
+              (1, 32, 8, 16384, 128, True), (1, 32, 16, 16384, 128, True), (1, 64, 8, 4096, 128, True),
+              (2, 64, 8, 4096, 128, True), (1, 64, 4, 4096, 128, True), (1, 32, 2, 4096, 128, True),
+              (8, 16, 4, 4096, 128, True), (1, 64, 8, 2048, 128, True), (1, 32, 2, 2048, 128, True),
+              (1, 32, 4, 8192, 64, True), (1, 64, 8, 8192, 64, True), (1, 32, 2, 8192, 64, True),
+              (1, 32, 4, 4096, 64, True), (1, 16, 4, 16384, 64, True), (8, 16, 4, 4096, 64, True)]
+MODES = hopper_inputs.MODES
+QUERY_HEAD_PROGRAMS = {"query-head": hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE,  # the dK/dV programs, forced
+                       "kv-head": dict.fromkeys(MODES, {"group": 2, "seq": 2**31})}
 
 
 def times_ms(attend, q, k, v, do) -> tuple[float, float]:
@@ -147,26 +150,28 @@ def graphed(picks: dict[tuple, str], rounds: int = 3) -> None:
 
 def gqa(picks: dict[tuple, str], rounds: int = 3) -> None:
     rule = dict(hopper_inputs.QUERY_HEAD_PROGRAMS_MIN)
-    print("ms forward+backward replayed from a CUDA graph, median of 3 rounds; fused with a dK/dV program per query "
-          "head or per key/value head; ratio = cuDNN's time / the faster of flash's")
+    print("ms forward+backward replayed from a CUDA graph, median of 3 rounds taking turns; each mode with a dK/dV "
+          "program per query head or per key/value head; ratio = cuDNN's time / the faster of each mode's")
     for b, h, kv, n, d, causal in GQA_SHAPES:
         q, k, v, do = inputs(b, h, kv, n, d)
         attend = attends(causal, d ** -0.5, True)
-        ms = {}
+        replays = {}
         for programs, setting in QUERY_HEAD_PROGRAMS.items():
-            ms[f"fused, {programs}"] = _medians(_replays({"fused": attend["fused"]}, q, k, v, do, setting),
-                                                rounds)["fused"]
+            for mode in MODES:
+                replays[f"{mode}, {programs}"] = _replays({mode: attend[mode]}, q, k, v, do, setting)[mode]
         hopper_inputs.QUERY_HEAD_PROGRAMS_MIN = rule
-        ms.update(_medians(_replays({m: attend[m] for m in ("deterministic", "cudnn")}, q, k, v, do), rounds))
-        flash = {name: t for name, t in ms.items() if name != "cudnn"}
-        pick = picks[b, h, kv, n, d, causal]
-        if pick == "fused":
-            pick += ", query-head" if hopper_inputs.fused_query_head_programs(h, kv, n) else ", kv-head"
-        faster = min(flash, key=flash.get)
-        print(f"B{b} H{h} KV{kv} N{n} D{d}: " + " | ".join(f"{name} {t:.4f}" for name, t in ms.items())
-              + f" | ratio {ms['cudnn'] / flash[faster]:.3f} | default {pick}, "
-              + ("the fastest" if pick == faster else f"{flash[pick] / flash[faster] - 1:.1%} behind {faster}"),
-              flush=True)
+        replays.update(_replays({"cudnn": attend["cudnn"]}, q, k, v, do))
+        ms = _medians(replays, rounds)
+        cells = []
+        for mode in MODES:
+            ours = {name: t for name, t in ms.items() if name.startswith(mode)}
+            faster = min(ours, key=ours.get)
+            programs = "query-head" if hopper_inputs.query_head_programs(h, kv, n, mode == "fused") else "kv-head"
+            pick = f"{mode}, {programs}"
+            behind = "the faster" if pick == faster else f"{ours[pick] / ours[faster] - 1:.1%} behind"
+            cells.append(f"{mode}: {ms['cudnn'] / ours[faster]:.3f}, {programs} {behind}")
+        print(f"B{b} H{h} KV{kv} N{n} D{d} [default {picks[b, h, kv, n, d, causal]}]: "
+              + " | ".join(f"{name} {t:.4f}" for name, t in ms.items()) + " | ratio " + "; ".join(cells), flush=True)
 
 
 def main() -> None:

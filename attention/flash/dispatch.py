@@ -155,18 +155,18 @@ def _backward_mode(q4: torch.Tensor, k4: torch.Tensor, window: Optional[int], do
                    deterministic: bool) -> tuple[bool, str]:
     """(whether the Hopper backward runs fused, why) for a call on these (batch, heads, seq, d) inputs with this
     window and documents."""
-    if deterministic:
-        return False, f"{DETERMINISTIC} (deterministic algorithms asked for)"
     b, h, n, d = q4.shape
-    problem = hopper_inputs.fused_backward_problem(b, h, k4.shape[1], n, d, hopper_inputs.sm_count_of(q4), window,
-                                                   docs)
-    if problem is not None:
-        return False, f"{DETERMINISTIC} ({problem})"
-    if hopper_inputs.fused_query_head_programs(h, k4.shape[1], n):
-        least = hopper_inputs.QUERY_HEAD_PROGRAMS_MIN
-        return True, (f"{FUSED}; a dK/dV program per query head, the heads' shares of dK and dV summed after (GQA "
-                      f"groups of {least['group']} or more from {least['seq']} keys)")
-    return True, FUSED
+    kv = k4.shape[1]
+    if deterministic:
+        fused, why = False, f"{DETERMINISTIC} (deterministic algorithms asked for)"
+    else:
+        problem = hopper_inputs.fused_backward_problem(b, h, kv, n, d, hopper_inputs.sm_count_of(q4), window, docs)
+        fused, why = problem is None, FUSED if problem is None else f"{DETERMINISTIC} ({problem})"
+    if hopper_inputs.query_head_programs(h, kv, n, fused):
+        least = hopper_inputs.QUERY_HEAD_PROGRAMS_MIN["fused" if fused else "deterministic"]
+        why += (f"; a dK/dV program per query head, the heads' shares of dK and dV summed after (GQA groups of "
+                f"{least['group']} or more from {least['seq']} keys)")
+    return fused, why
 
 
 def checked_scale(scale: float) -> float:

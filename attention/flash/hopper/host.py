@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from attention.flash.common import as_bhsd, bounds_of, empty, empty_like, on_device_of, sm_count
-from attention.flash.hopper.inputs import fused_query_head_programs, rows_index
+from attention.flash.hopper.inputs import query_head_programs, rows_index
 from attention.flash.hopper.tiles import FUSED_REGS, HopperTiles, backward_tiles_for, fused_dq_cols, tiles_for
 from attention.flash.triton.host import Launch, delta_and_launch, dq_from_accumulator, plannable, work_order
 
@@ -179,25 +179,27 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
 
     dq_acc: run the fused backward (no window or documents): its dK/dV kernel adds dQ into this zeroed fp32
     accumulator of accumulator_shape(q) (delta_and_launch zeroes it), in an order that varies; its dQ launch is then
-    dq_from_accumulator's, with no descriptors.
+    dq_from_accumulator's, with no descriptors. Either way, where the dK/dV kernel runs a program per query head
+    (query_head_shares), the heads' shares of dK and dV are summed into dk and dv after it.
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
     b, h, n, d = q.shape
     tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0), dq_acc is not None), **(tiles or {})}
+    shares = query_head_shares(q, k, fused=dq_acc is not None)
+    dkdv_out = shares or (dk, dv)
     if dq_acc is not None:
-        shares = query_head_shares(q, k)
-        dkdv = backward_dkdv(q, k, v, do, lse, delta, *(shares or (dk, dv)), causal, scale, tiles["dkdv"], masks,
-                             dq_acc)
-        dq_pass = dq_from_accumulator(dq_acc, dq, scale)
-        if shares is not None:
-            sum_shares(shares, dk, dv)
-        return (*dkdv, dq_pass, ())
-    dkdv, dq_pass = _side_by_side(
-        q.device.index or 0,
-        lambda: backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, tiles["dkdv"], masks),
-        lambda: backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"], masks))
-    return (*dkdv, *dq_pass)
+        dkdv = backward_dkdv(q, k, v, do, lse, delta, *dkdv_out, causal, scale, tiles["dkdv"], masks, dq_acc)
+        resolved = (*dkdv, dq_from_accumulator(dq_acc, dq, scale), ())
+    else:
+        dkdv, dq_pass = _side_by_side(
+            q.device.index or 0,
+            lambda: backward_dkdv(q, k, v, do, lse, delta, *dkdv_out, causal, scale, tiles["dkdv"], masks),
+            lambda: backward_dq(q, k, v, do, lse, delta, dq, causal, scale, tiles["dq"], masks))
+        resolved = (*dkdv, *dq_pass)
+    if shares is not None:
+        sum_shares(shares, dk, dv)
+    return resolved
 
 
 def _side_by_side(device_index: int, dkdv: Callable[[], Any], dq: Callable[[], Any]) -> tuple[Any, Any]:
@@ -359,22 +361,23 @@ class BackwardPlan:
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         delta = empty(self.delta_shape, torch.float32, q.device)
         bounds = bounds or (lse, lse)
+        shares = None
+        if self.share_shape is not None:
+            shares = empty(self.share_shape, q.dtype, q.device), empty(self.share_shape, q.dtype, q.device)
+        dkdv_out = shares or (dk, dv)
         if self.accumulator_shape is not None:
             acc = empty(self.accumulator_shape, torch.float32, q.device)
             self.delta(o, do, delta, acc)  # which zeroes acc
-            shares = None
-            if self.share_shape is not None:
-                shares = empty(self.share_shape, q.dtype, q.device), empty(self.share_shape, q.dtype, q.device)
-            _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, *(shares or (dk, dv)), lse, delta, acc),
-                            *bounds)
+            _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, *dkdv_out, lse, delta, acc), *bounds)
             self.dq(acc, dq)
-            if shares is not None:
-                sum_shares(shares, as_bhsd(dk), as_bhsd(dv))
-            return dq, dk, dv
-        self.delta(o, do, delta, delta)
-        _side_by_side(q.device.index or 0,
-                      lambda: _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, dk, dv, lse, delta), *bounds),
-                      lambda: _launch_pointed(self.dq, self.dq_descs, (q, k, v, do, dq), lse, delta, *bounds))
+        else:
+            self.delta(o, do, delta, delta)
+            _side_by_side(q.device.index or 0,
+                          lambda: _launch_pointed(self.dkdv, self.dkdv_descs, (q, k, v, do, *dkdv_out, lse, delta),
+                                                  *bounds),
+                          lambda: _launch_pointed(self.dq, self.dq_descs, (q, k, v, do, dq), lse, delta, *bounds))
+        if shares is not None:
+            sum_shares(shares, as_bhsd(dk), as_bhsd(dv))
         return dq, dk, dv
 
 
@@ -400,7 +403,7 @@ def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
         return dq, dk, dv, None
     q4, k4 = as_bhsd(q), as_bhsd(k)
     shape = accumulator_shape(q4) if fused else None
-    shares = fused and fused_query_head_programs(q4.shape[1], k4.shape[1], q4.shape[2])
+    shares = query_head_programs(q4.shape[1], k4.shape[1], q4.shape[2], fused)
     return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), shape,
                                     tuple(q4.shape) if shares else None)
 
@@ -428,8 +431,8 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     (accumulator_shape(q), zeroed) it adds dQ there too (the fused backward); the last descriptor returned is then the
     accumulator's, else None stands in its place.
 
-    dk and dv are like k and v, or, fused with GQA, shares of them (query_head_shares): a program per (batch, query
-    head) then writes its head's share, and the caller sums them (sum_shares)."""
+    dk and dv are like k and v, or with GQA shares of them (query_head_shares): a program per (batch, query head)
+    then writes its head's share, and the caller sums them (sum_shares)."""
     import triton
 
     from attention.flash.hopper.kernels import attn_bwd_dkdv_hopper
@@ -437,8 +440,8 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     b, h, n, d = q.shape
     kv = k.shape[1]
     shares = dk.shape[1] != kv
-    if shares and (dq_acc is None or tuple(dk.shape) != tuple(q.shape) or not dk.is_contiguous()):
-        raise ValueError("shares of dK and dV are for the fused backward, contiguous and shaped like q")
+    if shares and (tuple(dk.shape) != tuple(q.shape) or not dk.is_contiguous()):
+        raise ValueError("shares of dK and dV must be contiguous and shaped like q")
     _check_tiles(n, t)
     descs, indices = _backward_inputs(q, k, v, do, t.block_n, t.block_m)
     starts, ends, window = masks.arguments(lse)
@@ -456,10 +459,10 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
 
 
-def query_head_shares(q: torch.Tensor, k: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Where the fused backward runs a dK/dV program per query head (inputs.fused_query_head_programs): empty
+def query_head_shares(q: torch.Tensor, k: torch.Tensor, fused: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Where the backward (fused or not) runs a dK/dV program per query head (inputs.query_head_programs): empty
     (batch, heads, seq, d) tensors for each query head's share of dK and dV; else None."""
-    if not fused_query_head_programs(q.shape[1], k.shape[1], q.shape[2]):
+    if not query_head_programs(q.shape[1], k.shape[1], q.shape[2], fused):
         return None
     return empty(tuple(q.shape), q.dtype, q.device), empty(tuple(q.shape), q.dtype, q.device)
 

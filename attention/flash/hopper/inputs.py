@@ -107,23 +107,27 @@ def fused_backward_problem(batch: int, heads: int, kv_heads: int, n: int, d: int
 
 def fused_dkdv_programs(batch: int, heads: int, kv_heads: int, n: int, d: int, sms: int) -> int:
     """The fused backward's dK/dV programs: one per (batch, key/value head) and tile of key rows, or per query head
-    (fused_query_head_programs)."""
+    (query_head_programs)."""
     rows = backward_tiles_for(d, n, batch * kv_heads, sms, fused=True)["dkdv"].rows
-    return batch * (heads if fused_query_head_programs(heads, kv_heads, n) else kv_heads) * -(-n // rows)
+    return batch * (heads if query_head_programs(heads, kv_heads, n, fused=True) else kv_heads) * -(-n // rows)
 
 
-# With GQA the fused backward's dK/dV program streams its group's query heads one after another, reading their Q and
-# dO and adding to their dQ. For groups of at least "group" query heads and sequences of at least "seq" keys it runs
-# a program per query head instead, which streams that head alone; the heads' shares of dK and dV are summed after.
-# Measured faster there, and level or slower for groups of 4 or below 8192 keys (H200; docs/flash.md, Backward modes).
-QUERY_HEAD_PROGRAMS_MIN = {"seq": 8192, "group": 8}
-QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE = {"seq": 0, "group": 2}  # for measurements and tests
+# With GQA a dK/dV program of the Hopper backward streams its group's query heads one after another (reading their Q
+# and dO, and fused, adding to their dQ). By backward mode, for groups of at least "group" query heads and sequences
+# of at least "seq" keys it runs a program per query head instead, which streams that head alone; the heads' shares
+# of dK and dV are summed after, in an order that does not vary. Measured faster there; level or slower for groups of
+# 4, for groups of 8 beside the deterministic mode's dQ kernel and fused at 2048 keys (H200; docs/flash.md, Backward
+# modes).
+MODES = ("fused", "deterministic")  # the Hopper backward's
+QUERY_HEAD_PROGRAMS_MIN = {"fused": {"group": 8, "seq": 4096}, "deterministic": {"group": 16, "seq": 2048}}
+QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE = dict.fromkeys(MODES, {"group": 2, "seq": 0})  # for measurements and tests
 
 
-def fused_query_head_programs(heads: int, kv_heads: int, n: int) -> bool:
-    """Whether the fused backward runs a dK/dV program per query head, each writing its head's share of dK and dV
-    for the host to sum over the group, rather than one per key/value head."""
-    return heads >= QUERY_HEAD_PROGRAMS_MIN["group"] * kv_heads and n >= QUERY_HEAD_PROGRAMS_MIN["seq"]
+def query_head_programs(heads: int, kv_heads: int, n: int, fused: bool) -> bool:
+    """Whether the Hopper backward, fused or deterministic, runs a dK/dV program per query head, each writing its
+    head's share of dK and dV for the host to sum over the group, rather than one per key/value head."""
+    least = QUERY_HEAD_PROGRAMS_MIN["fused" if fused else "deterministic"]
+    return heads >= least["group"] * kv_heads and n >= least["seq"]
 
 
 def sm_count_of(t: torch.Tensor) -> int:

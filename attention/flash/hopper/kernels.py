@@ -1007,8 +1007,8 @@ def attn_bwd_dkdv_hopper(
     warpgroup of its own, _dq_partition) or of each consumer's share of d (split, BLOCK_N 64: _dkdv_split_tile);
     DS_LAYOUT is the shared layout of a consumer's (BLOCK_M, BLOCK_N) dS^T. Otherwise dq_acc_desc is None.
 
-    SHARED_KV > 1 (FUSED, GROUP 1): a program per (batch, query head), whose SHARED_KV query heads share a key/value
-    head: it reads K and V of head h // SHARED_KV and writes this query head's share of dK and dV through dk_desc and
+    SHARED_KV > 1 (GROUP 1): a program per (batch, query head), whose SHARED_KV query heads share a key/value head:
+    it reads K and V of head h // SHARED_KV and writes this query head's share of dK and dV through dk_desc and
     dv_desc, (batch * H * N, D) rows, for the host to sum over the group.
     """
     dtype: gl.constexpr = k_desc.dtype
@@ -1021,7 +1021,7 @@ def attn_bwd_dkdv_hopper(
     h = bh % (H // GROUP)  # the key/value head, or with SHARED_KV the query head
     hq = h * GROUP  # its first query head
     n0 = pid_n * ROWS
-    gl.static_assert(SHARED_KV == 1 or (FUSED and GROUP == 1), "SHARED_KV: the fused backward, a query head each")
+    gl.static_assert(SHARED_KV == 1 or GROUP == 1, "SHARED_KV: a program per query head")
     kv_h = h // SHARED_KV
     if DOCS:
         START += b * N

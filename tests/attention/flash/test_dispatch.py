@@ -128,15 +128,21 @@ def test_the_backward_says_why_it_runs_the_two_kernels_where_they_are_the_faster
 
 
 @requires_gluon
-def test_long_gqa_of_large_groups_says_it_runs_a_program_per_query_head():
-    """GQA groups of 8 from 8192 keys run the fused backward with a dK/dV program per query head, and say so; groups
-    of 4 keep a program per key/value head."""
-    q = qkv(1, 64, 8192, 128)[0]
-    large = flash_kernels(q, *qkv(1, 8, 8192, 128)[:2], causal=True, capability=SM90, replayed=True)
-    assert large.backward_reason.endswith(f"{dispatch.FUSED}; a dK/dV program per query head, the heads' shares of dK "
-                                          "and dV summed after (GQA groups of 8 or more from 8192 keys)"), large
-    small = flash_kernels(q, *qkv(1, 16, 8192, 128)[:2], causal=True, capability=SM90, replayed=True)
-    assert small.backward_reason.endswith(dispatch.FUSED), small
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_long_gqa_of_large_groups_says_it_runs_a_program_per_query_head(deterministic):
+    """GQA groups of 8 or more run a dK/dV program per query head in the fused backward from 4096 keys, and say so;
+    of 16 or more in the deterministic one from 2048; smaller groups keep a program per key/value head."""
+    mode = (f"{dispatch.DETERMINISTIC} (deterministic algorithms asked for)" if deterministic else dispatch.FUSED)
+    group = 16 if deterministic else 8
+    q = qkv(1, 64, 4096, 128)[0]
+    large = flash_kernels(q, *qkv(1, 64 // group, 4096, 128)[:2], causal=True, capability=SM90, replayed=True,
+                          deterministic=deterministic)
+    assert large.backward_reason.endswith(f"{mode}; a dK/dV program per query head, the heads' shares of dK and dV "
+                                          f"summed after (GQA groups of {group} or more from "
+                                          f"{2048 if deterministic else 4096} keys)"), large
+    small = flash_kernels(q, *qkv(1, 128 // group, 4096, 128)[:2], causal=True, capability=SM90, replayed=True,
+                          deterministic=deterministic)
+    assert "per query head" not in small.backward_reason, small
 
 
 def test_other_gpus_run_the_triton_kernels():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention import get_attention
-from attention.flash import flash_attention, flash_backward, flash_forward, use_kernels
+from attention.flash import dispatch, flash_attention, flash_backward, flash_forward, use_kernels
 from attention.flash.hopper import host as hopper, inputs as hopper_inputs
 from attention.flash.hopper.tiles import HopperTiles
 from tests.attention.conftest import random_doc_ids
@@ -262,16 +262,25 @@ def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
         assert rel(got, want) <= TOLERANCE[dtype], (name, rel(got, want))
 
 
+# QUERY_HEAD_PROGRAMS_MIN that runs a dK/dV program per query head with GQA (True), or per key/value head (False)
+QUERY_HEAD_PROGRAMS = {True: hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE,
+                       False: dict.fromkeys(hopper_inputs.MODES, {"group": 2, "seq": 2**31})}
+
+
 @requires_hopper
 @pytest.mark.parametrize("tiles", BACKWARD_TILES[:2], ids=_tiles_id)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("h, h_kv", [(4, 2), (6, 2), (4, 1)], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
-def test_gqa_backward_matches_float64(tiles, layout, causal, h, h_kv, d):
-    """dK and dV of a key/value head sum its group's query heads (one program streams them in turn)."""
+@pytest.mark.parametrize("per_query_head", [False, True], ids=["kv-head programs", "query-head programs"])
+def test_gqa_backward_matches_float64(monkeypatch, tiles, layout, causal, h, h_kv, d, per_query_head):
+    """dK and dV of a key/value head sum its group's query heads: one program streams them in turn or, as large
+    groups of long sequences (QUERY_HEAD_PROGRAMS_MIN), a program per query head writes its share, summed after;
+    bitwise reproducible either way."""
     if any(_backward_smem(t, d) > 227 * 1024 for t in tiles.values()):
         pytest.skip("these tiles take more shared memory than an SM has at d 128")
+    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", QUERY_HEAD_PROGRAMS[per_query_head])
     b, n, dtype = 2, 384, torch.bfloat16
     q = make_qkv(b, h, n, d, dtype, layout, seed=d)[0]
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=d + 7)[:2]
@@ -353,8 +362,7 @@ def test_fused_backward_matches_float64(monkeypatch, layout, causal, h, h_kv, n,
     (its shares of dK and dV summed after)."""
     if per_query_head and h == h_kv:
         pytest.skip("MHA has one query head per key/value head")
-    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE
-                        if per_query_head else {"seq": 2**31, "group": 2})
+    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", QUERY_HEAD_PROGRAMS[per_query_head])
     b, scale = 2, d ** -0.5
     q = make_qkv(b, h, n, d, dtype, layout, seed=n + h)[0]
     k, v = make_qkv(b, h_kv, n, d, dtype, layout, seed=n + 7)[:2]
@@ -370,11 +378,14 @@ def test_fused_backward_matches_float64(monkeypatch, layout, causal, h, h_kv, n,
 
 @requires_hopper
 @pytest.mark.parametrize("d", [64, 128])
-def test_long_gqa_sums_query_head_shares_in_plans_and_graphs(hopper_at_every_size, monkeypatch, d):
-    """Where QUERY_HEAD_PROGRAMS_MIN says, the fused backward of GQA sums each query head's share of dK and dV: on
-    the first call, from flash's plan on the second, and replayed from a CUDA graph, each within the deterministic
-    backward's tolerance."""
-    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", {"seq": 512, "group": 4})
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_long_gqa_sums_query_head_shares_in_plans_and_graphs(hopper_at_every_size, monkeypatch, d, deterministic):
+    """Where QUERY_HEAD_PROGRAMS_MIN says, the backward of GQA sums each query head's share of dK and dV: on the
+    first call, from flash's plan on the second, and replayed from a CUDA graph; fused within the tolerance of the
+    deterministic backward with a program per key/value head, deterministic bitwise equal on all three."""
+    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", dict.fromkeys(hopper_inputs.MODES,
+                                                                              {"group": 4, "seq": 512}))
+    monkeypatch.setattr(dispatch, "_plans", {})  # plans made under another rule
     sums = []
     real = hopper.sum_shares
     monkeypatch.setattr(hopper, "sum_shares", lambda *a: sums.append(1) or real(*a))
@@ -382,28 +393,39 @@ def test_long_gqa_sums_query_head_shares_in_plans_and_graphs(hopper_at_every_siz
     q = make_qkv(2, 8, 512, d, torch.bfloat16, "bshd", seed=d)[0].requires_grad_()
     k, v = (t.requires_grad_() for t in make_qkv(2, 2, 512, d, torch.bfloat16, "bshd", seed=d + 3)[:2])
     do = randn(2, 8, 512, d, seed=5, dtype=torch.bfloat16)
-    runs = [torch.autograd.grad(flash(q, k, v, causal=True), (q, k, v), do) for _ in range(2)]
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        runs = [torch.autograd.grad(flash(q, k, v, causal=True), (q, k, v), do) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert sums == [1, 1]  # the second call ran its plan
     detached = [t.detach() for t in (q, k, v)]
     args = (*detached, *flash_forward(*detached, True, d ** -0.5), do, True, d ** -0.5)
+    kwargs = dict(deterministic=deterministic)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as torch.cuda.graphs asks
-        flash_backward(*args)
+        flash_backward(*args, **kwargs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = flash_backward(*args)
+        captured = flash_backward(*args, **kwargs)
     for t in captured:
         t.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert len(sums) == 4
+    if deterministic:
+        for got in (runs[1], captured):
+            assert all(torch.equal(g, w) for g, w in zip(got, runs[0]))
+    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", QUERY_HEAD_PROGRAMS[False])
+    dispatch._plans.clear()
     torch.use_deterministic_algorithms(True)
     try:
         want = torch.autograd.grad(flash(q, k, v, causal=True), (q, k, v), do)
     finally:
         torch.use_deterministic_algorithms(False)
+    assert len(sums) == 4  # a program per key/value head: nothing to sum
     for got in (*runs, captured):
         for g, w in zip(got, want):
             assert g.stride() == w.stride()
@@ -535,11 +557,13 @@ def test_masks_hand_the_kernels_document_bounds():
 
 @requires_hopper
 @pytest.mark.parametrize("case", list(MASK_CASES))
-@pytest.mark.parametrize("h, h_kv", [(4, 4), (4, 2), (4, 1)], ids=str)
+@pytest.mark.parametrize("h, h_kv, per_query_head", [(4, 4, False), (4, 2, False), (4, 1, False), (4, 2, True)],
+                         ids=["(4, 4)", "(4, 2)", "(4, 1)", "(4, 2) query-head programs"])
 @pytest.mark.parametrize("d, tiles", [(64, None), (64, "three"), (128, None)], ids=["d64", "d64-c3", "d128"])
-def test_masked_forward_and_backward_match_float64(case, h, h_kv, d, tiles):
-    """Windows and documents, alone and together, causal and not, with GQA: O, L, dQ, dK, dV against float64, the
-    backward deterministic."""
+def test_masked_forward_and_backward_match_float64(monkeypatch, case, h, h_kv, per_query_head, d, tiles):
+    """Windows and documents, alone and together, causal and not, with GQA (a dK/dV program per key/value head, or
+    per query head): O, L, dQ, dK, dV against float64, the backward deterministic."""
+    monkeypatch.setattr(hopper_inputs, "QUERY_HEAD_PROGRAMS_MIN", QUERY_HEAD_PROGRAMS[per_query_head])
     causal, window, docs = MASK_CASES[case]
     b, n, dtype, scale = 2, 640, torch.bfloat16, d ** -0.5
     doc_ids = None if docs is None else random_doc_ids(b, n, *docs, seed=n + h_kv)

@@ -80,9 +80,10 @@ def test_a_window_counts_the_scores_of_the_tiles_it_visits():
     ((4, 16, 2048, 128), 16, 132, None),  # 1024 dK/dV programs
     ((1, 8, 8192, 128), 8, 132, "512 dK/dV programs, under 4 waves of 132 SMs"),
     ((1, 8, 8192, 128), 8, 114, None),  # the same on a GPU that 512 programs fill four times
-    ((1, 64, 4096, 128), 8, 132, "256 dK/dV programs"),  # GQA below 8192 keys: a program per key/value head
+    ((1, 64, 2048, 128), 8, 132, "128 dK/dV programs"),  # GQA below 4096 keys: a program per key/value head
+    ((1, 64, 4096, 128), 8, 132, None),  # groups of 8 from 4096 keys: a program per query head, 2048 of them
     ((1, 32, 8192, 64), 8, 132, "512 dK/dV programs"),  # groups of 4 too
-    ((1, 64, 8192, 128), 8, 132, None),  # groups of 8 from 8192 keys: a program per query head, 4096 of them
+    ((1, 64, 8192, 128), 8, 132, None),
     ((1, 4, 16384, 128), 4, 132, None),  # 512 programs: from 16384 keys three waves suffice
     ((1, 2, 16384, 128), 2, 132, "256 dK/dV programs, under 3 waves of 132 SMs"),
     ((8, 32, 512, 64), 32, 132, None),  # d 64 has no bound on the sequence
@@ -104,11 +105,16 @@ def test_the_fused_backward_takes_no_window_or_documents():
             "the fused backward takes no window or documents")
 
 
-@pytest.mark.parametrize("heads, kv_heads, n, per_query_head", [
-    (64, 8, 8192, True), (32, 2, 16384, True), (64, 8, 4096, False), (32, 8, 16384, False), (16, 16, 16384, False)])
-def test_long_gqa_of_large_groups_runs_a_fused_program_per_query_head(heads, kv_heads, n, per_query_head):
-    """With groups of 8 query heads or more, from 8192 keys (QUERY_HEAD_PROGRAMS_MIN), the fused backward's dK/dV
-    programs take a query head each, so they count heads, not key/value heads."""
-    assert hopper_inputs.fused_query_head_programs(heads, kv_heads, n) == per_query_head
-    programs = hopper_inputs.fused_dkdv_programs(2, heads, kv_heads, n, 128, 132)
-    assert programs == 2 * (heads if per_query_head else kv_heads) * n // 128
+@pytest.mark.parametrize("heads, kv_heads, n, fused, per_query_head", [
+    (64, 8, 8192, True, True), (32, 2, 16384, True, True), (64, 8, 4096, True, True), (64, 8, 2048, True, False),
+    (32, 8, 16384, True, False), (16, 16, 16384, True, False), (32, 2, 2048, True, False),
+    (32, 2, 2048, False, True), (128, 8, 8192, False, True), (64, 8, 8192, False, False),
+    (32, 2, 1024, False, False)])
+def test_long_gqa_of_large_groups_runs_a_program_per_query_head(heads, kv_heads, n, fused, per_query_head):
+    """Fused with groups of 8 query heads or more from 4096 keys, deterministic with groups of 16 or more from 2048
+    (QUERY_HEAD_PROGRAMS_MIN), the backward's dK/dV programs take a query head each; the fused ones then count
+    heads, not key/value heads."""
+    assert hopper_inputs.query_head_programs(heads, kv_heads, n, fused) == per_query_head
+    if fused:
+        programs = hopper_inputs.fused_dkdv_programs(2, heads, kv_heads, n, 128, 132)
+        assert programs == 2 * (heads if per_query_head else kv_heads) * n // 128
