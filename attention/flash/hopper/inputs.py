@@ -116,9 +116,9 @@ def fused_dkdv_programs(batch: int, heads: int, kv_heads: int, n: int, d: int, s
 # and dO, and fused, adding to their dQ). By backward mode, for groups of at least "group" query heads and sequences
 # of at least "seq" keys it runs a program per query head instead, which streams that head alone; the heads' shares
 # of dK and dV are summed after, in an order that does not vary. Measured faster there; level or slower for groups of
-# 4, for groups of 8 beside the deterministic mode's dQ kernel and fused at 2048 keys (H200; docs/flash.md, Backward
+# 4, and for groups of 8 deterministic (beside the dQ kernel) or fused at 2048 keys (H200; docs/flash.md, Backward
 # modes).
-MODES = ("fused", "deterministic")  # the Hopper backward's
+MODES = ("fused", "deterministic")  # the Hopper backward's two modes
 QUERY_HEAD_PROGRAMS_MIN = {"fused": {"group": 8, "seq": 4096}, "deterministic": {"group": 16, "seq": 2048}}
 QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE = dict.fromkeys(MODES, {"group": 2, "seq": 0})  # for measurements and tests
 
