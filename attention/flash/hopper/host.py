@@ -180,13 +180,13 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     dq_acc: run the fused backward (no window or documents): its dK/dV kernel adds dQ into this zeroed fp32
     accumulator of accumulator_shape(q) (delta_and_launch zeroes it), in an order that varies; its dQ launch is then
     dq_from_accumulator's, with no descriptors. Either way, where the dK/dV kernel runs a program per query head
-    (query_head_shares), the heads' shares of dK and dV are summed into dk and dv after it.
+    (share_shape), the heads' shares of dK and dV are summed into dk and dv after it.
 
     lse and delta are (batch * heads, seq) fp32: the forward's natural-log logsumexp and rowsum(dO * O).
     """
     b, h, n, d = q.shape
     tiles = {**backward_tiles_for(d, n, b * h, sm_count(q.device.index or 0), dq_acc is not None), **(tiles or {})}
-    shares = query_head_shares(q, k, fused=dq_acc is not None)
+    shares = empty_shares(share_shape(q, k, fused=dq_acc is not None), q)
     dkdv_out = shares or (dk, dv)
     if dq_acc is not None:
         dkdv = backward_dkdv(q, k, v, do, lse, delta, *dkdv_out, causal, scale, tiles["dkdv"], masks, dq_acc)
@@ -345,7 +345,7 @@ class BackwardPlan:
     """The delta pre-pass and backward() of one input signature, resolved: `plan(q, k, v, o, lse, do, bounds)`,
     bounds as in ForwardPlan; accumulator_shape: the fused backward's dQ accumulator's (backward()), None when the
     plan runs the two kernels; share_shape: that of the query heads' shares of dK and dV its dK/dV programs write
-    (query_head_shares), None when they write dK and dV."""
+    (the function share_shape), None when they write dK and dV."""
 
     __slots__ = ("delta", "dkdv", "dkdv_descs", "dq", "dq_descs", "delta_shape", "accumulator_shape", "share_shape")
 
@@ -361,9 +361,7 @@ class BackwardPlan:
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         delta = empty(self.delta_shape, torch.float32, q.device)
         bounds = bounds or (lse, lse)
-        shares = None
-        if self.share_shape is not None:
-            shares = empty(self.share_shape, q.dtype, q.device), empty(self.share_shape, q.dtype, q.device)
+        shares = empty_shares(self.share_shape, q)
         dkdv_out = shares or (dk, dv)
         if self.accumulator_shape is not None:
             acc = empty(self.accumulator_shape, torch.float32, q.device)
@@ -401,11 +399,10 @@ def planned_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
     usable = plannable(q, k, v, o, do) and lse.is_contiguous()
     if not usable:
         return dq, dk, dv, None
-    q4, k4 = as_bhsd(q), as_bhsd(k)
+    q4 = as_bhsd(q)
     shape = accumulator_shape(q4) if fused else None
-    shares = query_head_programs(q4.shape[1], k4.shape[1], q4.shape[2], fused)
     return dq, dk, dv, BackwardPlan(delta_launch, resolved, tuple(delta.shape), shape,
-                                    tuple(q4.shape) if shares else None)
+                                    share_shape(q4, as_bhsd(k), fused))
 
 
 @functools.cache
@@ -431,7 +428,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     (accumulator_shape(q), zeroed) it adds dQ there too (the fused backward); the last descriptor returned is then the
     accumulator's, else None stands in its place.
 
-    dk and dv are like k and v, or with GQA shares of them (query_head_shares): a program per (batch, query head)
+    dk and dv are like k and v, or with GQA shares of them (share_shape): a program per (batch, query head)
     then writes its head's share, and the caller sums them (sum_shares)."""
     import triton
 
@@ -459,12 +456,15 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     return _launch_of(attn_bwd_dkdv_hopper, attn_bwd_dkdv_hopper[grid](*args, **meta), grid, args, 11, meta), descs
 
 
-def query_head_shares(q: torch.Tensor, k: torch.Tensor, fused: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Where the backward (fused or not) runs a dK/dV program per query head (inputs.query_head_programs): empty
-    (batch, heads, seq, d) tensors for each query head's share of dK and dV; else None."""
-    if not query_head_programs(q.shape[1], k.shape[1], q.shape[2], fused):
-        return None
-    return empty(tuple(q.shape), q.dtype, q.device), empty(tuple(q.shape), q.dtype, q.device)
+def share_shape(q: torch.Tensor, k: torch.Tensor, fused: bool) -> Optional[tuple[int, ...]]:
+    """Where the backward (fused or not) of (batch, heads, seq, d) q and k runs a dK/dV program per query head
+    (inputs.query_head_programs): the shape of each query head's share of dK and of dV, q's; else None."""
+    return tuple(q.shape) if query_head_programs(q.shape[1], k.shape[1], q.shape[2], fused) else None
+
+
+def empty_shares(shape: Optional[tuple[int, ...]], q: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Empty shares of dK and dV of a share_shape (in q's dtype, on its device), or None for None."""
+    return None if shape is None else (empty(shape, q.dtype, q.device), empty(shape, q.dtype, q.device))
 
 
 def sum_shares(shares: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor) -> None:
