@@ -59,7 +59,7 @@ GQA_SHAPES = [(1, 64, 8, 8192, 128, True), (1, 32, 4, 8192, 128, True), (2, 64, 
               (1, 32, 4, 4096, 64, True), (1, 16, 4, 16384, 64, True), (8, 16, 4, 4096, 64, True)]
 MODES = hopper_inputs.MODES
 QUERY_HEAD_PROGRAMS = {"query-head": hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE,  # the dK/dV programs, forced
-                       "kv-head": dict.fromkeys(MODES, {"group": 2, "seq": 2**31})}
+                       "kv-head": hopper_inputs.QUERY_HEAD_PROGRAMS_NEVER}
 
 
 def times_ms(attend, q, k, v, do) -> tuple[float, float]:

@@ -120,7 +120,8 @@ def fused_dkdv_programs(batch: int, heads: int, kv_heads: int, n: int, d: int, s
 # modes).
 MODES = ("fused", "deterministic")  # the Hopper backward's two modes
 QUERY_HEAD_PROGRAMS_MIN = {"fused": {"group": 8, "seq": 4096}, "deterministic": {"group": 16, "seq": 2048}}
-QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE = dict.fromkeys(MODES, {"group": 2, "seq": 0})  # for measurements and tests
+QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE = dict.fromkeys(MODES, {"group": 2, "seq": 0})
+QUERY_HEAD_PROGRAMS_NEVER = dict.fromkeys(MODES, {"group": 2, "seq": 2**31})  # these two for measurements and tests
 
 
 def query_head_programs(heads: int, kv_heads: int, n: int, fused: bool) -> bool:

@@ -264,7 +264,7 @@ def test_backward_matches_float64(tiles, layout, causal, dtype, b, h, n, d):
 
 # QUERY_HEAD_PROGRAMS_MIN that runs a dK/dV program per query head with GQA (True), or per key/value head (False)
 QUERY_HEAD_PROGRAMS = {True: hopper_inputs.QUERY_HEAD_PROGRAMS_AT_EVERY_SIZE,
-                       False: dict.fromkeys(hopper_inputs.MODES, {"group": 2, "seq": 2**31})}
+                       False: hopper_inputs.QUERY_HEAD_PROGRAMS_NEVER}
 
 
 @requires_hopper
